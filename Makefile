@@ -1,0 +1,35 @@
+# Two commands set everything up: `make run` and `make test`.
+# Each creates .venv when it is missing and installs the project into it.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test test-all bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	@touch $(STAMP)
+
+# The default study on this CPU: tables, plots and a report under runs/.
+run: $(STAMP)
+	$(PY) -m analysis.default_study
+
+# The default test suite (slow tests excluded); CI runs exactly this.
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+# Everything, slow tests included.
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m ""
+
+# Benchmarks: ratios between systems measured in the same run.
+bench: $(STAMP)
+	$(PY) -m analysis.bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,57 @@
+"""Naive expert parallelism: one row per (token, expert) pair.
+
+Exchange per-(destination, local expert) counts, one variable-split
+all-to-all of the pair rows, the experts, the reverse all-to-all, and the
+gate-weighted sum on the home rank. Differentiable: the backward pass runs the
+transposed all-to-alls (see :mod:`occult.ep.comm`).
+
+Shapes: T tokens, K top-k, D hidden, P ranks, e local experts, R rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from occult.ep import Dispatcher, Exchange, Recorder, all_to_all_rows, exchange_counts
+from occult.ep.permute import expert_major_order, inverse_permutation, sort_pairs_by_destination
+
+
+@dataclass(frozen=True)
+class NaiveHandle:
+    """What combine needs: how rows were sent, and how to fold them back at home."""
+
+    token_R: torch.Tensor          # home token of each sent row (send order)
+    weight_R: torch.Tensor         # gate weight of each sent row (send order)
+    inv_perm_R: torch.Tensor       # expert-major received rows -> (source, slot) order
+    send_P: list
+    recv_P: list
+    num_tokens: int
+    layer: int
+    recorder: Optional[Recorder]
+
+
+class NaiveDispatcher(Dispatcher):
+    name = "naive"
+    impl = "harness"
+
+    def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
+        K = topk_ids_TK.shape[1]
+        order_R, send_Pe = sort_pairs_by_destination(topk_ids_TK, self.placement)
+        recv_Pe = exchange_counts(send_Pe, self.ep, Exchange(layer, "counts", recorder))
+        # device-to-host sync: split sizes go to the collective as Python ints
+        send_P, recv_P = send_Pe.sum(1).tolist(), recv_Pe.sum(1).tolist()
+        token_R = order_R // K
+        x_recv_RD = all_to_all_rows(x_TD[token_R], send_P, recv_P, self.ep,
+                                    Exchange(layer, "dispatch", recorder))
+        perm_R = expert_major_order(recv_Pe)
+        handle = NaiveHandle(token_R, topk_weights_TK.flatten()[order_R], inverse_permutation(perm_R),
+                             send_P, recv_P, x_TD.shape[0], layer, recorder)
+        return x_recv_RD[perm_R], recv_Pe.sum(0), handle
+
+    def combine(self, y_RD, handle: NaiveHandle):
+        y_back_RD = all_to_all_rows(y_RD[handle.inv_perm_R], handle.recv_P, handle.send_P, self.ep,
+                                    Exchange(handle.layer, "combine", handle.recorder))
+        out_TD = y_RD.new_zeros((handle.num_tokens, y_RD.shape[1]))
+        return out_TD.index_add(0, handle.token_R, y_back_RD * handle.weight_R.unsqueeze(1))

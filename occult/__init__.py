@@ -1,0 +1,11 @@
+"""occult-bench: a harness for communication-efficient expert parallelism.
+
+Shape legend used across the code base (suffixes on tensor names):
+
+    T  tokens on one rank           D  model hidden size
+    F  expert FFN hidden size       E  routed experts of one layer
+    K  top-k                        P  expert-parallel world size
+    e  local experts on one rank    R  rows of a send / receive buffer
+"""
+
+__version__ = "0.1.0"

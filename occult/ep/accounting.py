@@ -1,0 +1,113 @@
+"""Communication accounting and phase timing, taken from what really happened.
+
+A :class:`Recorder` is handed to a layer call; every collective that a
+dispatcher runs through :mod:`occult.ep.comm` logs the split sizes it passed to
+the collective (rows and bytes per source and destination rank, per layer,
+phase and pass) and how long it took. Routing metrics (C_T, intra-collaboration
+ratio) are computed from the top-k ids and the placement, by pure functions.
+
+Shapes: T tokens, K top-k, E experts, P devices.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from .placement import Placement
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """One collective seen from one rank: what it sent to each peer."""
+
+    layer: int
+    phase: str            # e.g. "dispatch", "combine", "counts", "dispatch_meta"
+    direction: str        # "forward" or "backward"
+    src_rank: int
+    rows_P: tuple         # rows sent to each destination rank
+    row_bytes: int        # bytes per row
+    seconds: float
+
+
+@dataclass
+class Recorder:
+    """Collects :class:`CommEvent` s and timed spans during layer calls.
+
+    It is the one mutable object of a measurement; layers and dispatchers keep
+    no per-call state of their own.
+    """
+
+    rank: int = 0
+    comm: list = field(default_factory=list)
+    spans: list = field(default_factory=list)     # (layer, name, direction, seconds)
+    routing: list = field(default_factory=list)   # (layer, topk_ids_TK)
+
+    def log_collective(self, *, layer: int, phase: str, direction: str, rows_P, row_bytes: int,
+                       seconds: float) -> None:
+        self.comm.append(CommEvent(layer, phase, direction, self.rank, tuple(int(r) for r in rows_P),
+                                   int(row_bytes), float(seconds)))
+
+    @contextmanager
+    def span(self, layer: int, name: str, direction: str = "forward"):
+        """Times the enclosed block (wall clock, this rank)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans.append((layer, name, direction, time.perf_counter() - t0))
+
+    def log_routing(self, layer: int, topk_ids_TK: torch.Tensor) -> None:
+        self.routing.append((layer, topk_ids_TK.detach().clone()))
+
+    def clear(self) -> None:
+        self.comm.clear()
+        self.spans.clear()
+        self.routing.clear()
+
+
+def devices_per_token(topk_ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """Distinct devices among each token's top-k experts: shape [T] (long)."""
+    T = topk_ids_TK.shape[0]
+    hit_TP = torch.zeros(T, placement.num_devices, dtype=torch.bool)
+    hit_TP[torch.arange(T).unsqueeze(1), placement.device_E[topk_ids_TK]] = True
+    return hit_TP.sum(1)
+
+
+def ct_all(topk_ids_TK: torch.Tensor, placement: Placement) -> float:
+    """C_T counting the copy a token sends to its own device: mean distinct devices per token."""
+    if topk_ids_TK.shape[0] == 0:
+        return float("nan")
+    return devices_per_token(topk_ids_TK, placement).float().mean().item()
+
+
+def ct_remote(topk_ids_TK: torch.Tensor, placement: Placement, home_T: torch.Tensor) -> float:
+    """C_T without the home device: mean distinct *other* devices per token.
+
+    ``home_T`` is each token's home device (the rank it lives on).
+    """
+    T = topk_ids_TK.shape[0]
+    if T == 0:
+        return float("nan")
+    hit_TP = torch.zeros(T, placement.num_devices, dtype=torch.bool)
+    hit_TP[torch.arange(T).unsqueeze(1), placement.device_E[topk_ids_TK]] = True
+    hit_TP[torch.arange(T), home_T] = False
+    return hit_TP.sum(1).float().mean().item()
+
+
+def intra_ratio(topk_ids_TK: torch.Tensor, placement: Placement) -> float:
+    """Share of co-activated expert pairs (same token) hosted on the same device."""
+    K = topk_ids_TK.shape[1]
+    if topk_ids_TK.shape[0] == 0 or K < 2:
+        return float("nan")
+    dev_TK = placement.device_E[topk_ids_TK]
+    same_TKK = dev_TK.unsqueeze(2) == dev_TK.unsqueeze(1)
+    pairs = topk_ids_TK.shape[0] * K * (K - 1)
+    return (same_TKK.sum().item() - topk_ids_TK.shape[0] * K) / pairs
+
+
+def ct_bounds(num_experts: int, top_k: int, world_size: int) -> tuple[int, int]:
+    """Occult Eq. 5: ceil(K*P/E) <= C_T <= min(K, P)."""
+    return -(-top_k * world_size // num_experts), min(top_k, world_size)

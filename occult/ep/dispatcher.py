@@ -1,0 +1,74 @@
+"""The dispatcher interface every expert-parallel system implements.
+
+A dispatcher moves tokens to the ranks that host their experts and brings
+the experts' outputs back. The contract (shapes: T tokens on this rank, K
+top-k, D hidden, R rows received, e local experts):
+
+    routed_RD, counts_e, handle = dispatch(x_TD, topk_ids_TK, topk_weights_TK, ...)
+    y_RD = experts(routed_RD, counts_e)          # shared by all systems
+    out_TD = combine(y_RD, handle)
+
+``routed_RD`` is grouped by local expert: the first ``counts_e[0]`` rows go to
+local expert 0, and so on. ``combine`` returns ``sum_k w_tk * expert_{id_tk}(x_t)``
+for every token of this rank: **gate weights are applied inside the dispatcher,
+exactly once** (naive EP weights at home, Occult on the receiving device before
+its pre-aggregation), and nowhere else. Everything ``combine`` needs travels in
+the handle, a frozen dataclass; a dispatcher keeps no per-call state on ``self``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+import torch
+
+from .accounting import Recorder
+from .comm import EPGroup
+from .placement import Placement
+
+
+class Dispatcher(ABC):
+    """Base class of a system's token dispatcher.
+
+    Class attributes a system sets:
+      ``name``: the system's config name; ``impl``: ``"harness"`` when this
+      project implements the scheme, ``"library"`` when a third-party library
+      runs it; ``requires_divisible_experts``: whether E must split evenly
+      over P ranks.
+    """
+
+    name: str = "base"
+    impl: str = "harness"
+    requires_divisible_experts: bool = True
+
+    def __init__(self, ep: EPGroup, placement: Placement) -> None:
+        if placement.num_devices != ep.world_size:
+            raise ValueError(f"{self.name}: placement is for {placement.num_devices} devices, "
+                             f"the group has {ep.world_size}")
+        self.ep = ep
+        self.placement = placement
+
+    @property
+    def local_expert_ids(self) -> torch.Tensor:
+        """Global ids of this rank's experts in slot order: shape [e]."""
+        return self.placement.local_experts(self.ep.rank)
+
+    @abstractmethod
+    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                 *, layer: int = 0, recorder: Optional[Recorder] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Returns ``(routed_RD, counts_e, handle)``; rows grouped by local expert."""
+
+    @abstractmethod
+    def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:
+        """Returns ``out_TD``, the gate-weighted sum of each token's expert outputs."""
+
+    @classmethod
+    def check_config(cls, *, num_experts: int, top_k: int, world_size: int) -> None:
+        """Raise ``ValueError`` naming the field if this system cannot run the shape."""
+        if cls.requires_divisible_experts and num_experts % world_size:
+            divisors = [p for p in range(1, num_experts + 1) if num_experts % p == 0]
+            raise ValueError(
+                f"model.num_experts={num_experts} is not divisible by the world size {world_size} "
+                f"(cluster); system '{cls.name}' needs equal expert groups. "
+                f"Allowed world sizes: {divisors}")

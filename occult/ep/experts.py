@@ -1,0 +1,49 @@
+"""Grouped SwiGLU experts, shared by every system.
+
+Shapes: e local experts, D hidden, F expert FFN size, R rows grouped by expert.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as nnf
+from torch import nn
+
+
+def swiglu(x_RD: torch.Tensor, w_gate_DF: torch.Tensor, w_up_DF: torch.Tensor,
+           w_down_FD: torch.Tensor) -> torch.Tensor:
+    """One expert: (silu(x W_g) * (x W_u)) W_d, [R, D] -> [R, D]."""
+    return (nnf.silu(x_RD @ w_gate_DF) * (x_RD @ w_up_DF)) @ w_down_FD
+
+
+def grouped_swiglu(x_RD: torch.Tensor, counts_e: torch.Tensor, w_gate_eDF: torch.Tensor,
+                   w_up_eDF: torch.Tensor, w_down_eFD: torch.Tensor) -> torch.Tensor:
+    """Runs expert i on rows ``[sum(counts[:i]), sum(counts[:i+1]))``: [R, D] -> [R, D]."""
+    # device-to-host sync: the split sizes are needed on the host
+    pieces = torch.split(x_RD, counts_e.tolist())
+    outs = [swiglu(xi, w_gate_eDF[i], w_up_eDF[i], w_down_eFD[i]) for i, xi in enumerate(pieces)]
+    if not outs:
+        return x_RD.new_zeros(x_RD.shape)
+    return torch.cat(outs, dim=0)
+
+
+class GroupedExperts(nn.Module):
+    """The experts a rank holds: fused [e, D, F] / [e, F, D] weights."""
+
+    def __init__(self, w_gate_eDF: torch.Tensor, w_up_eDF: torch.Tensor, w_down_eFD: torch.Tensor):
+        super().__init__()
+        self.w_gate = nn.Parameter(w_gate_eDF)
+        self.w_up = nn.Parameter(w_up_eDF)
+        self.w_down = nn.Parameter(w_down_eFD)
+
+    def forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+        return grouped_swiglu(x_RD, counts_e, self.w_gate, self.w_up, self.w_down)
+
+
+def init_expert_weights(num_experts: int, hidden: int, ffn: int, generator: torch.Generator,
+                        dtype: torch.dtype = torch.float32) -> dict:
+    """Seeded global expert weights: {'w_gate': [E,D,F], 'w_up': [E,D,F], 'w_down': [E,F,D]}."""
+    def rnd(*shape, fan_in):
+        return (torch.randn(*shape, generator=generator) / fan_in ** 0.5).to(dtype)
+    return {"w_gate": rnd(num_experts, hidden, ffn, fan_in=hidden),
+            "w_up": rnd(num_experts, hidden, ffn, fan_in=hidden),
+            "w_down": rnd(num_experts, ffn, hidden, fan_in=ffn)}

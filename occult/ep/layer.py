@@ -1,0 +1,98 @@
+"""The expert-parallel MoE layer and the single-device reference.
+
+    route -> optional routing transform -> dispatch -> grouped experts -> combine
+
+Shapes: T tokens on this rank, D hidden, E experts, K top-k, e local experts.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .accounting import Recorder
+from .dispatcher import Dispatcher
+from .experts import GroupedExperts, swiglu
+from .router import RoutingTransform, TopKRouter
+
+
+class MoELayer(nn.Module):
+    """One MoE layer on one rank: replicated router, this rank's experts, a dispatcher."""
+
+    def __init__(self, router: TopKRouter, experts: GroupedExperts, dispatcher: Dispatcher,
+                 layer_idx: int = 0, transform: Optional[RoutingTransform] = None):
+        super().__init__()
+        self.router = router
+        self.experts = experts
+        self.dispatcher = dispatcher
+        self.layer_idx = layer_idx
+        self.transform = transform
+
+    @classmethod
+    def from_global(cls, router_weight_ED: torch.Tensor, expert_weights: dict, top_k: int,
+                    dispatcher: Dispatcher, renormalize: bool = False, layer_idx: int = 0,
+                    transform: Optional[RoutingTransform] = None) -> "MoELayer":
+        """Builds the rank's layer from the full weights, keeping only its own experts."""
+        local = dispatcher.local_expert_ids
+        experts = GroupedExperts(*(expert_weights[k][local].clone() for k in ("w_gate", "w_up", "w_down")))
+        router = TopKRouter(router_weight_ED.clone(), top_k, renormalize)
+        return cls(router, experts, dispatcher, layer_idx, transform)
+
+    def forward(self, x_TD: torch.Tensor, recorder: Optional[Recorder] = None,
+                forced_ids_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
+        rec, li = recorder, self.layer_idx
+        with _span(rec, li, "route"):
+            probs_TE, topk_ids_TK, topk_weights_TK = self.router(x_TD, forced_ids_TK)
+            if self.transform is not None:
+                topk_ids_TK, topk_weights_TK = self.transform(
+                    probs_TE, topk_ids_TK, topk_weights_TK, self.dispatcher.placement)
+        if rec is not None:
+            rec.log_routing(li, topk_ids_TK)
+        with _span(rec, li, "dispatch"):
+            routed_RD, counts_e, handle = self.dispatcher.dispatch(
+                x_TD, topk_ids_TK, topk_weights_TK, layer=li, recorder=rec)
+        with _span(rec, li, "experts"):
+            y_RD = self.experts(routed_RD, counts_e)
+        with _span(rec, li, "combine"):
+            return self.dispatcher.combine(y_RD, handle)
+
+
+def _span(recorder: Optional[Recorder], layer: int, name: str):
+    if recorder is None:
+        import contextlib
+        return contextlib.nullcontext()
+    return recorder.span(layer, name)
+
+
+def reference_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                  expert_weights: dict) -> torch.Tensor:
+    """Single-device top-k MoE: ``out_t = sum_k w_tk * expert_{id_tk}(x_t)``, [T, D] -> [T, D].
+
+    Deliberately plain (a loop over experts) so that it is obviously right: the
+    ground truth of every parity test.
+    """
+    out_TD = torch.zeros_like(x_TD)
+    for expert in torch.unique(topk_ids_TK).tolist():
+        tok, slot = torch.nonzero(topk_ids_TK == expert, as_tuple=True)
+        y = swiglu(x_TD[tok], expert_weights["w_gate"][expert], expert_weights["w_up"][expert],
+                   expert_weights["w_down"][expert])
+        out_TD = out_TD.index_add(0, tok, y * topk_weights_TK[tok, slot].unsqueeze(1))
+    return out_TD
+
+
+class ReferenceMoE(nn.Module):
+    """The single-device MoE layer (no expert parallelism): router plus all E experts."""
+
+    def __init__(self, router_weight_ED: torch.Tensor, expert_weights: dict, top_k: int,
+                 renormalize: bool = False):
+        super().__init__()
+        self.router = TopKRouter(router_weight_ED.clone(), top_k, renormalize)
+        self.w_gate = nn.Parameter(expert_weights["w_gate"].clone())
+        self.w_up = nn.Parameter(expert_weights["w_up"].clone())
+        self.w_down = nn.Parameter(expert_weights["w_down"].clone())
+
+    def forward(self, x_TD: torch.Tensor, forced_ids_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
+        _, topk_ids_TK, topk_weights_TK = self.router(x_TD, forced_ids_TK)
+        weights = {"w_gate": self.w_gate, "w_up": self.w_up, "w_down": self.w_down}
+        return reference_moe(x_TD, topk_ids_TK, topk_weights_TK, weights)

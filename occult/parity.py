@@ -1,0 +1,115 @@
+"""Parity of an expert-parallel system with the single-device reference.
+
+Every rank builds the same global problem from a seed (router, all experts,
+all tokens, an upstream gradient), keeps its own slice, runs the system, and
+compares outputs and gradients (inputs, router, its experts) with the
+reference computed on the full problem. Used by the tests and, before any
+timing, by the benchmarks.
+
+Shapes: T tokens, D hidden, E experts, K top-k, P ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .ep import MoELayer, Placement, Recorder, ReferenceMoE, init_expert_weights
+from .synthetic import expert_popularity, sample_topk
+
+# routing patterns a parity case can ask for
+CASE_ROUTINGS = ("router", "uniform", "one_device", "skip_last_device")
+
+
+@dataclass(frozen=True)
+class LayerCase:
+    """One parity problem. ``tokens`` gives the token count of each rank."""
+
+    num_experts: int
+    top_k: int
+    tokens: tuple
+    hidden: int = 16
+    ffn: int = 8
+    routing: str = "uniform"
+    renormalize: bool = False
+    seed: int = 0
+    dtype: str = "float64"
+
+
+@dataclass
+class Problem:
+    router_ED: torch.Tensor
+    experts: dict
+    x_TD: torch.Tensor         # all ranks' tokens
+    grad_TD: torch.Tensor      # upstream gradient of the output
+    ids_TK: Optional[torch.Tensor]
+
+
+def make_problem(case: LayerCase, placement: Placement) -> Problem:
+    """The global problem, identical on every rank."""
+    g = torch.Generator().manual_seed(case.seed)
+    dtype = getattr(torch, case.dtype)
+    E, K, D, T = case.num_experts, case.top_k, case.hidden, sum(case.tokens)
+    router = (torch.randn(E, D, generator=g) / D ** 0.5).to(dtype)
+    experts = init_expert_weights(E, D, case.ffn, g, dtype)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    grad = torch.randn(T, D, generator=g).to(dtype)
+    ids = None
+    if case.routing != "router":
+        allowed = None
+        if case.routing == "one_device":
+            allowed = placement.device_E == 0
+        elif case.routing == "skip_last_device":
+            allowed = placement.device_E != placement.num_devices - 1
+        elif case.routing != "uniform":
+            raise ValueError(f"routing={case.routing!r}: allowed {list(CASE_ROUTINGS)}")
+        ids = sample_topk(T, K, expert_popularity("uniform", E), g, allowed)
+    return Problem(router, experts, x, grad, ids)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def check_layer(ctx, dispatcher_cls, case: LayerCase, placement: Optional[Placement] = None,
+                options: Optional[dict] = None) -> dict:
+    """Runs one case on this rank; returns relative errors and the recorder's events.
+
+    Must be called on every rank of ``ctx``'s world, with the same arguments.
+    """
+    P, rank = ctx.world_size, ctx.rank
+    placement = placement or Placement.contiguous(case.num_experts, P)
+    prob = make_problem(case, placement)
+    lo = sum(case.tokens[:rank])
+    hi = lo + case.tokens[rank]
+
+    ref = ReferenceMoE(prob.router_ED, prob.experts, case.top_k, case.renormalize)
+    x_ref = prob.x_TD.clone().requires_grad_(True)
+    out_ref = ref(x_ref, prob.ids_TK)
+    (out_ref * prob.grad_TD).sum().backward()
+
+    dispatcher = dispatcher_cls(ctx.ep, placement, **(options or {}))
+    layer = MoELayer.from_global(prob.router_ED, prob.experts, case.top_k, dispatcher, case.renormalize)
+    x = prob.x_TD[lo:hi].clone().requires_grad_(True)
+    ids = None if prob.ids_TK is None else prob.ids_TK[lo:hi]
+    rec = Recorder(rank=rank)
+    out = layer(x, rec, ids)
+    (out * prob.grad_TD[lo:hi]).sum().backward()
+
+    grad_router = layer.router.weight.grad.clone()
+    if P > 1:
+        dist.all_reduce(grad_router, group=ctx.ep.group)
+    local = dispatcher.local_expert_ids
+    errors = {
+        "out": _rel_err(out.detach(), out_ref.detach()[lo:hi]),
+        "grad_x": _rel_err(x.grad, x_ref.grad[lo:hi]),
+        "grad_router": _rel_err(grad_router, ref.router.weight.grad),
+        "grad_w_gate": _rel_err(layer.experts.w_gate.grad, ref.w_gate.grad[local]),
+        "grad_w_up": _rel_err(layer.experts.w_up.grad, ref.w_up.grad[local]),
+        "grad_w_down": _rel_err(layer.experts.w_down.grad, ref.w_down.grad[local]),
+    }
+    return {"errors": errors, "comm": rec.comm, "routing": rec.routing, "tokens": hi - lo}
