@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 
 # The default study on this CPU: tables, plots and a report under runs/.
 run: $(STAMP)
-	$(PY) -m analysis.default_study
+	$(PY) run.py experiment=default_study
 
 # The default test suite (slow tests excluded); CI runs exactly this.
 test: $(STAMP)

@@ -1,0 +1,63 @@
+"""Structured config schemas (Hydra ConfigStore), so a misspelt key fails at compose time.
+
+The YAML files under ``conf/`` fill these in; ``system`` is free-form because
+each system's options are the keyword arguments of its dispatcher class
+(checked against the class signature in :mod:`occult.validate`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConf:
+    name: str = MISSING
+    num_experts: int = MISSING          # E, routed experts per MoE layer
+    top_k: int = MISSING                # K
+    hidden_size: int = MISSING          # D
+    expert_ffn_size: int = MISSING      # F
+    norm_topk_prob: bool = False        # renormalise the top-k gate weights
+    dtype: str = "float32"
+
+
+@dataclass
+class TaskConf:
+    name: str = MISSING
+    entry: str = MISSING                # dotted path of the rank function
+    tokens_per_rank: int = 512          # T
+    routing: str = "uniform"            # router | uniform | zipf
+    zipf_s: float = 1.2                 # skew of task.routing=zipf
+    warmup: int = 2
+    iters: int = 5
+    backward: bool = True
+    check_parity: bool = True           # compare with the reference before timing
+
+
+@dataclass
+class ClusterConf:
+    name: str = MISSING
+    world_size: int = MISSING           # P
+    backend: str = "gloo"               # gloo (CPU) | nccl (GPU, under torchrun)
+    threads_per_rank: int = 0           # 0: cores // world_size
+    run_timeout_s: float = 3600.0       # whole run
+    collective_timeout_s: float = 300.0
+
+
+@dataclass
+class RunConf:
+    system: Dict[str, Any] = field(default_factory=dict)
+    model: ModelConf = field(default_factory=ModelConf)
+    task: TaskConf = field(default_factory=TaskConf)
+    cluster: ClusterConf = field(default_factory=ClusterConf)
+    experiment_name: str = "adhoc"      # the results column "experiment"
+    seed: int = 0
+    resume: bool = True                 # skip a run whose results already exist
+    out_dir: Optional[str] = None       # default: Hydra's output folder
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="run_schema", node=RunConf)

@@ -1,0 +1,95 @@
+"""Pieces every task uses: building a system's dispatcher, the parity gate, recorder -> rows."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..ep import Placement, Recorder, ct_all, ct_remote, intra_ratio
+from ..parity import LayerCase, check_layer
+from ..records import row
+from ..validate import system_class, system_options
+
+PARITY_TOL = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 2e-2}
+
+
+def build_dispatcher(ctx, system: dict, placement: Placement):
+    """The configured system's dispatcher for this rank."""
+    cls = system_class(system)
+    return cls(ctx.ep, placement, **system_options(system))
+
+
+def parity_gate(ctx, system: dict, num_experts: int, top_k: int, routing: str,
+                placement: Optional[Placement] = None) -> list:
+    """Checks the system against the single-device reference on a small float64
+    problem with the run's E, K, P and placement; raises if it disagrees.
+
+    Returns result rows with the relative errors.
+    """
+    case = LayerCase(num_experts, top_k, tuple([32] * ctx.world_size),
+                     routing="router" if routing == "router" else "uniform", seed=12345)
+    cls = system_class(system)
+    res = check_layer(ctx, cls, case, placement, system_options(system))
+    bad = {k: v for k, v in res["errors"].items() if not v <= PARITY_TOL["float64"]}
+    if bad:
+        raise AssertionError(f"system={system['name']} disagrees with the single-device reference "
+                             f"(relative errors {bad}); nothing was timed")
+    return [row(f"parity_{k}", v, "ratio", rank=ctx.rank) for k, v in res["errors"].items()]
+
+
+def timing_rows(rec: Recorder, sample: int) -> list:
+    """Spans and collective times of one timed iteration, in ms."""
+    rows = [row("time", s * 1e3, "ms", layer=layer, rank=rec.rank, phase=name, direction=direction,
+                sample=sample) for layer, name, direction, s in rec.spans]
+    rows += [row("a2a_time", ev.seconds * 1e3, "ms", layer=ev.layer, rank=rec.rank, phase=ev.phase,
+                 direction=ev.direction, sample=sample) for ev in rec.comm]
+    return rows
+
+
+def comm_rows(rec: Recorder) -> list:
+    """Rows and bytes this rank sent to each peer, per layer, phase and pass."""
+    out = []
+    for ev in rec.comm:
+        for dst, n in enumerate(ev.rows_P):
+            common = dict(layer=ev.layer, rank=rec.rank, phase=ev.phase, direction=ev.direction,
+                          src_rank=ev.src_rank, dst_rank=dst)
+            out.append(row("rows", n, "rows", **common))
+            out.append(row("bytes", n * ev.row_bytes, "bytes", **common))
+    return out
+
+
+def routing_rows(ctx, rec: Recorder, placement: Placement) -> list:
+    """C_T (all, remote), intra-collaboration ratio and rows per token, per rank and
+    over all ranks (``rank=-1``, from an all-gather of every rank's top-k ids)."""
+    out = []
+    per_rank = {}
+    for layer, ids in rec.routing:
+        per_rank[layer] = ids
+    for layer, ids in sorted(per_rank.items()):
+        gathered = [None] * ctx.world_size
+        if ctx.world_size > 1:
+            dist.all_gather_object(gathered, ids, group=ctx.ep.group)
+        else:
+            gathered = [ids]
+        home = torch.cat([torch.full((g.shape[0],), r, dtype=torch.long) for r, g in enumerate(gathered)])
+        all_ids = torch.cat(gathered)
+        for rank, ids_r, home_r in ((ctx.rank, ids, torch.full((ids.shape[0],), ctx.rank)), (-1, all_ids, home)):
+            if rank == -1 and ctx.rank != 0:
+                continue
+            out += [row("ct_all", ct_all(ids_r, placement), "devices/token", layer=layer, rank=rank),
+                    row("ct_remote", ct_remote(ids_r, placement, home_r), "devices/token", layer=layer, rank=rank),
+                    row("intra_ratio", intra_ratio(ids_r, placement), "ratio", layer=layer, rank=rank),
+                    row("tokens", ids_r.shape[0], "tokens", layer=layer, rank=rank)]
+        sent = {}
+        for ev in rec.comm:
+            if ev.layer == layer and ev.phase in ("dispatch", "combine"):
+                sent[(ev.phase, ev.direction)] = sent.get((ev.phase, ev.direction), 0) + sum(ev.rows_P)
+        for (phase, direction), n in sorted(sent.items()):
+            total = torch.tensor([n, ids.shape[0]], dtype=torch.long)
+            if ctx.world_size > 1:
+                dist.all_reduce(total, group=ctx.ep.group)
+            if ctx.rank == 0 and total[1] > 0:
+                out.append(row("rows_per_token", total[0].item() / total[1].item(), "rows/token",
+                               layer=layer, rank=-1, phase=phase, direction=direction))
+    return out

@@ -1,0 +1,103 @@
+"""task=layer: one MoE layer, random-init weights, timed per phase on every rank.
+
+Weights are generated per expert from the seed, so a rank builds only the
+experts its placement gives it; tokens and synthetic routing are seeded per
+rank. Before anything is timed the system is checked against the
+single-device reference (task.check_parity). Every timed sample is kept.
+
+Shapes: T tokens per rank, D hidden, F expert FFN, E experts, K top-k.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from ..ep import MoELayer, Placement, Recorder, GroupedExperts, TopKRouter
+from ..records import row
+from ..synthetic import expert_popularity, sample_topk
+from .common import build_dispatcher, comm_rows, parity_gate, routing_rows, timing_rows
+
+
+def expert_weights(expert_ids, hidden: int, ffn: int, seed: int, dtype) -> GroupedExperts:
+    """Experts ``expert_ids`` (slot order), each from its own seeded generator."""
+    gates, ups, downs = [], [], []
+    for i in expert_ids.tolist():
+        g = torch.Generator().manual_seed(seed * 1_000_003 + 7919 * (i + 1))
+        gates.append(torch.randn(hidden, ffn, generator=g) / hidden ** 0.5)
+        ups.append(torch.randn(hidden, ffn, generator=g) / hidden ** 0.5)
+        downs.append(torch.randn(ffn, hidden, generator=g) / ffn ** 0.5)
+    stack = lambda ts, shape: torch.stack(ts).to(dtype) if ts else torch.zeros((0,) + shape, dtype=dtype)
+    return GroupedExperts(stack(gates, (hidden, ffn)), stack(ups, (hidden, ffn)), stack(downs, (ffn, hidden)))
+
+
+def build_layer(ctx, cfg, placement: Placement) -> MoELayer:
+    m = cfg.model
+    dtype = getattr(torch, m.dtype)
+    dispatcher = build_dispatcher(ctx, OmegaConf.to_container(cfg.system), placement)
+    g = torch.Generator().manual_seed(cfg.seed)
+    router = TopKRouter((torch.randn(m.num_experts, m.hidden_size, generator=g) / m.hidden_size ** 0.5)
+                        .to(dtype), m.top_k, m.norm_topk_prob)
+    experts = expert_weights(dispatcher.local_expert_ids, m.hidden_size, m.expert_ffn_size, cfg.seed, dtype)
+    return MoELayer(router, experts, dispatcher, layer_idx=0)
+
+
+def make_inputs(ctx, cfg):
+    """This rank's tokens, forced top-k ids (None for the router) and upstream gradient."""
+    m, t = cfg.model, cfg.task
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 104729 * (ctx.rank + 1))
+    dtype = getattr(torch, m.dtype)
+    x_TD = torch.randn(t.tokens_per_rank, m.hidden_size, generator=g).to(dtype)
+    grad_TD = torch.randn(t.tokens_per_rank, m.hidden_size, generator=g).to(dtype)
+    ids_TK = None
+    if t.routing != "router":
+        ids_TK = sample_topk(t.tokens_per_rank, m.top_k,
+                             expert_popularity(t.routing, m.num_experts, t.zipf_s), g)
+    return x_TD, ids_TK, grad_TD
+
+
+def run_rank(ctx, cfg_dict: dict) -> list:
+    """One rank's part of task=layer; returns its result rows."""
+    cfg = OmegaConf.create(cfg_dict)
+    m, t = cfg.model, cfg.task
+    placement = Placement.contiguous(m.num_experts, ctx.world_size)
+    rows = []
+    if t.check_parity:
+        rows += parity_gate(ctx, OmegaConf.to_container(cfg.system), m.num_experts, m.top_k, t.routing,
+                            placement)
+    layer = build_layer(ctx, cfg, placement)
+    x_TD, ids_TK, grad_TD = make_inputs(ctx, cfg)
+    rec = Recorder(rank=ctx.rank)
+    for it in range(t.warmup + t.iters):
+        rec.clear()
+        layer.zero_grad(set_to_none=True)
+        x = x_TD.clone().requires_grad_(t.backward)
+        _barrier(ctx)
+        t0 = time.perf_counter()
+        out = layer(x, rec, ids_TK)
+        t1 = time.perf_counter()
+        if t.backward:
+            out.backward(grad_TD)
+        t2 = time.perf_counter()
+        sample = it - t.warmup
+        if sample < 0:
+            continue
+        rows += timing_rows(rec, sample)
+        rows.append(row("time", (t1 - t0) * 1e3, "ms", layer=0, rank=ctx.rank, phase="layer",
+                        direction="forward", sample=sample))
+        if t.backward:
+            rows.append(row("time", (t2 - t1) * 1e3, "ms", layer=0, rank=ctx.rank, phase="layer",
+                            direction="backward", sample=sample))
+            rows.append(row("time", (t2 - t0) * 1e3, "ms", layer=0, rank=ctx.rank, phase="layer",
+                            direction="forward+backward", sample=sample))
+    # the last timed iteration's collectives and routing (identical in every iteration)
+    rows += comm_rows(rec)
+    rows += routing_rows(ctx, rec, placement)
+    return rows
+
+
+def _barrier(ctx) -> None:
+    if ctx.world_size > 1:
+        dist.barrier(group=ctx.ep.group)
