@@ -7,6 +7,8 @@
 Each run writes results.parquet / results.csv (rank 0, atomically) into its
 Hydra output folder under runs/.
 """
+import sys
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -28,3 +30,6 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     main()
+    from occult.runner import FAILED_POINTS
+
+    sys.exit(1 if FAILED_POINTS else 0)

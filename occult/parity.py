@@ -16,11 +16,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .ep import MoELayer, Placement, Recorder, ReferenceMoE, init_expert_weights
+from .ep import MoELayer, Placement, Recorder, ReferenceMoE, devices_per_token, init_expert_weights
 from .synthetic import expert_popularity, sample_topk
 
 # routing patterns a parity case can ask for
-CASE_ROUTINGS = ("router", "uniform", "one_device", "skip_last_device")
+CASE_ROUTINGS = ("router", "uniform", "one_device", "skip_last_device", "explicit")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class LayerCase:
     renormalize: bool = False
     seed: int = 0
     dtype: str = "float64"
+    explicit_ids: tuple = ()   # routing="explicit": every rank's tokens' top-k ids, concatenated
 
 
 @dataclass
@@ -57,7 +58,9 @@ def make_problem(case: LayerCase, placement: Placement) -> Problem:
     x = torch.randn(T, D, generator=g).to(dtype)
     grad = torch.randn(T, D, generator=g).to(dtype)
     ids = None
-    if case.routing != "router":
+    if case.routing == "explicit":
+        ids = torch.tensor(case.explicit_ids, dtype=torch.long).view(T, K)
+    elif case.routing != "router":
         allowed = None
         if case.routing == "one_device":
             allowed = placement.device_E == 0
@@ -100,7 +103,8 @@ def check_layer(ctx, dispatcher_cls, case: LayerCase, placement: Optional[Placem
     out = layer(x, rec, ids)
     (out * prob.grad_TD[lo:hi]).sum().backward()
 
-    grad_router = layer.router.weight.grad.clone()
+    w = layer.router.weight
+    grad_router = torch.zeros_like(w) if w.grad is None else w.grad.clone()   # None: weights unused
     if P > 1:
         dist.all_reduce(grad_router, group=ctx.ep.group)
     local = dispatcher.local_expert_ids
@@ -112,4 +116,23 @@ def check_layer(ctx, dispatcher_cls, case: LayerCase, placement: Optional[Placem
         "grad_w_up": _rel_err(layer.experts.w_up.grad, ref.w_up.grad[local]),
         "grad_w_down": _rel_err(layer.experts.w_down.grad, ref.w_down.grad[local]),
     }
-    return {"errors": errors, "comm": rec.comm, "routing": rec.routing, "tokens": hi - lo}
+    sent = {}
+    for ev in rec.comm:
+        sent[(ev.phase, ev.direction)] = sent.get((ev.phase, ev.direction), 0) + sum(ev.rows_P)
+    routed_ids = rec.routing[0][1]
+    return {"errors": errors, "comm": rec.comm, "sent_rows": sent, "tokens": hi - lo,
+            "distinct_devices": int(devices_per_token(routed_ids, placement).sum())}
+
+
+def run_grid(ctx, jobs: list) -> list:
+    """Runs ``[(dispatcher_cls_path, options, case, placement_groups or None), ...]`` in one world.
+
+    Starting a world costs seconds; tests and benchmarks run whole grids in one.
+    """
+    from .validate import import_object
+
+    out = []
+    for cls_path, options, case, groups in jobs:
+        placement = Placement.from_groups(groups) if groups else None
+        out.append(check_layer(ctx, import_object(cls_path), case, placement, options))
+    return out

@@ -34,12 +34,14 @@ class Dispatcher(ABC):
       ``name``: the system's config name; ``impl``: ``"harness"`` when this
       project implements the scheme, ``"library"`` when a third-party library
       runs it; ``requires_divisible_experts``: whether E must split evenly
-      over P ranks.
+      over P ranks; ``exact``: whether it returns exactly top-k MoE (False
+      for schemes that drop tokens or change the routing).
     """
 
     name: str = "base"
     impl: str = "harness"
     requires_divisible_experts: bool = True
+    exact: bool = True
 
     def __init__(self, ep: EPGroup, placement: Placement) -> None:
         if placement.num_devices != ep.world_size:

@@ -1,0 +1,38 @@
+"""Rank functions and deliberately wrong systems for the tests (importable by spawned ranks)."""
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from baselines.naive import NaiveDispatcher, NaiveHandle
+
+
+class WeightlessDispatcher(NaiveDispatcher):
+    """Naive EP that forgets the gate weights: the parity check must catch it."""
+
+    def combine(self, y_RD, handle: NaiveHandle):
+        ones = torch.ones_like(handle.weight_R)
+        return super().combine(y_RD, NaiveHandle(handle.token_R, ones, handle.inv_perm_R, handle.send_P,
+                                                 handle.recv_P, handle.num_tokens, handle.layer,
+                                                 handle.recorder))
+
+
+def raise_on_rank(ctx, bad_rank: int):
+    """``bad_rank`` raises; the others wait in a collective that can never complete."""
+    if ctx.rank == bad_rank:
+        raise ValueError(f"deliberate failure on rank {ctx.rank}")
+    t = torch.zeros(1)
+    dist.all_reduce(t)
+    return "unreachable"
+
+
+def exit_on_rank(ctx, bad_rank: int):
+    """``bad_rank`` dies without a Python traceback."""
+    if ctx.rank == bad_rank:
+        os._exit(3)
+    time.sleep(60)
+
+
+def rank_info(ctx):
+    return ctx.rank, ctx.world_size, torch.initial_seed(), torch.get_num_threads()

@@ -1,0 +1,21 @@
+"""The systems under test: every conf/system/*.yaml, with its dispatcher class."""
+from pathlib import Path
+
+import yaml
+
+from occult.validate import import_object, system_options
+
+CONF = Path(__file__).resolve().parent.parent / "conf" / "system"
+
+
+def system_configs() -> dict:
+    return {p.stem: yaml.safe_load(p.read_text()) for p in sorted(CONF.glob("*.yaml"))}
+
+
+def exact_systems() -> dict:
+    """Systems that claim exact top-k MoE with their default options: name -> (class path, options)."""
+    out = {}
+    for name, cfg in system_configs().items():
+        if getattr(import_object(cfg["_target_"]), "exact", True):
+            out[name] = (cfg["_target_"], system_options(cfg))
+    return out

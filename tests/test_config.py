@@ -1,0 +1,69 @@
+"""Composition with the real conf/ folder, and validation errors that name the field."""
+import warnings
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from occult.config import register
+from occult.validate import ConfigError, validate
+
+CONF = str(Path(__file__).resolve().parent.parent / "conf")
+register()
+
+
+def cfg_with(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_default_config_is_valid():
+    cfg = cfg_with()
+    assert cfg.system.name == "naive" and cfg.task.name == "layer"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        validate(cfg)
+
+
+@pytest.mark.parametrize("name", [p.stem for p in (Path(CONF) / "cluster").glob("cpu*.yaml")])
+def test_cluster_sets_world_size(name):
+    assert cfg_with(f"cluster={name}").cluster.world_size == int(name[3:])
+
+
+def test_misspelt_key_fails_at_compose_time():
+    with pytest.raises(ConfigCompositionException) as err:
+        cfg_with("model.topk=2")
+    assert "topk" in str(err.value.__cause__ or err.value)
+    with pytest.raises(ConfigCompositionException):
+        cfg_with("model.top_k=two")          # typed schema
+
+
+def test_unknown_system_lists_the_choices():
+    with pytest.raises(ConfigCompositionException) as err:
+        cfg_with("system=nonesuch")
+    assert "naive" in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.num_experts=8", "model.top_k=9"], r"model.top_k=9: allowed values are 1..model.num_experts=8"),
+    (["model.top_k=0"], r"model.top_k=0"),
+    (["model.num_experts=60", "model.top_k=4", "cluster=cpu8"],
+     r"model.num_experts=60 is not divisible by the world size 8 .*Allowed world sizes: \[1, 2, 3, 4, 5, 6, 10"),
+    (["task.routing=gauss"], r"task.routing='gauss': allowed values are \['router', 'uniform', 'zipf'\]"),
+    (["task.iters=0"], r"task.iters=0"),
+    (["cluster.backend=mpi"], r"cluster.backend='mpi': allowed values"),
+    (["system._target_=baselines.naive.Nope"], r"system=naive: cannot import"),
+    (["+system.flavour=x"], r"system.flavour: unknown option of system 'naive'; allowed: \[\]"),
+])
+def test_validation_errors_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg_with(*overrides))
+
+
+def test_more_ranks_than_cores_is_a_warning(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    with pytest.warns(UserWarning, match="more than this machine's 2 cores"):
+        notes = validate(cfg_with("cluster=cpu8"))
+    assert notes

@@ -1,0 +1,64 @@
+"""Every exact system equals the single-device reference: outputs and gradients
+(inputs, router, experts), over world sizes, top-k and expert counts, including
+a rank with no tokens, every token on one device, and a rank that receives nothing.
+
+One world per world size runs the whole grid (starting ranks costs seconds).
+"""
+import pytest
+
+from occult.dist import launch
+from occult.parity import LayerCase, run_grid
+
+from systems import exact_systems
+
+TOL = 1e-9
+EXPERTS = (8, 60, 64)
+TOPK = (1, 2, 6, 8)
+
+
+def cases_for(P: int) -> list:
+    cases = []
+    for E in EXPERTS:
+        if E % P:
+            continue
+        e = E // P
+        for K in TOPK:
+            if K > E:
+                continue
+            T = (5, 9, 4, 7)[:P] if P > 1 else (11,)
+            cases.append(LayerCase(E, K, T, routing="uniform", seed=E * 10 + K))
+            cases.append(LayerCase(E, K, T, routing="router", renormalize=True, seed=E * 10 + K + 1))
+            if P > 1:
+                cases.append(LayerCase(E, K, (0,) + T[1:], seed=3))              # a rank with no tokens
+                if K <= E - e:
+                    cases.append(LayerCase(E, K, T, routing="skip_last_device", seed=4))
+            if K <= e:
+                cases.append(LayerCase(E, K, T, routing="one_device", seed=5))   # every token on device 0
+        if P > 1 and e <= max(TOPK):
+            cases.append(LayerCase(E, e, (6,) * P, routing="uniform", seed=6))   # K = local experts
+    return cases
+
+
+def run_all(P: int) -> list:
+    jobs, labels = [], []
+    for name, (cls_path, options) in exact_systems().items():
+        for case in cases_for(P):
+            jobs.append((cls_path, options, case, None))
+            labels.append((name, case))
+    results = launch(run_grid, P, (jobs,), timeout_s=240, collective_timeout_s=60)
+    return labels, results
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_every_system_matches_reference(P):
+    labels, results = run_all(P)
+    failures = []
+    for i, (name, case) in enumerate(labels):
+        for rank, per_rank in enumerate(results):
+            errs = per_rank[i]["errors"]
+            bad = {k: v for k, v in errs.items() if not v <= TOL}
+            if bad:
+                failures.append(f"{name} P={P} rank={rank} {case}: {bad}")
+    assert not failures, "\n".join(failures[:20])
+    assert len(labels) >= len(exact_systems()) * 4

@@ -1,0 +1,90 @@
+"""run.py end to end, in subprocesses: single runs, a multirun that load_runs reads,
+a failing sweep point that leaves the others intact and resumes, atomic writes."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from analysis.load import load_runs
+from occult.records import make_frame, row, write_results
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["model.hidden_size=32", "model.expert_ffn_size=16", "task.tokens_per_rank=32", "task.warmup=0",
+         "task.iters=2"]
+
+
+def run_py(*args, check=True):
+    proc = subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
+    if check and proc.returncode:
+        raise AssertionError(f"run.py {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.mark.timeout(300)
+def test_multirun_two_points_and_load_runs(tmp_path):
+    sweep = tmp_path / "sweep"
+    run_py("-m", "system=naive", "task=layer", "cluster=cpu1,cpu2", *SMALL, f"hydra.sweep.dir={sweep}")
+    df = load_runs([sweep])
+    assert df.run_dir.nunique() == 2
+    assert sorted(df.world_size.unique()) == [1, 2]
+    assert {"ct_all", "rows", "bytes", "time", "a2a_time"} <= set(df.metric)
+    assert (sweep / "report.md").is_file() and (sweep / "summary.csv").is_file()
+    # a single run folder and a sweep folder mix
+    single = tmp_path / "single"
+    run_py("system=naive", "cluster=cpu1", *SMALL, f"out_dir={single}")
+    assert load_runs([sweep, single]).run_dir.nunique() == 3
+
+
+@pytest.mark.timeout(300)
+def test_failed_point_keeps_others_and_resumes(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "cluster=cpu1", "model.top_k=2,100", *SMALL, f"hydra.sweep.dir={sweep}"]
+    first = run_py(*args, check=False)
+    assert first.returncode != 0
+    assert "1 sweep point(s) failed" in first.stderr + first.stdout
+    err = next(sweep.rglob("error.txt")).read_text()
+    assert "model.top_k=100: allowed values are 1..model.num_experts=64" in err
+    good = [p for p in sweep.rglob("results.parquet")]
+    assert len(good) == 1
+    stamp = good[0].stat().st_mtime_ns
+    second = run_py(*args, check=False)
+    assert "skipped (resume=true)" in second.stdout + second.stderr
+    assert good[0].stat().st_mtime_ns == stamp
+
+
+@pytest.mark.timeout(300)
+def test_uniform_ct_and_naive_rows_per_token():
+    """Done-when figure: E=64, K=8, P=4, uniform routing -> C_T within 2 % of 3.659, 8 rows/token."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as out:
+        run_py("system=naive", "cluster=cpu4", "model.num_experts=64", "model.top_k=8",
+               "model.hidden_size=32", "model.expert_ffn_size=16", "task.tokens_per_rank=512",
+               "task.warmup=0", "task.iters=1", f"out_dir={out}")
+        df = load_runs(out)
+    glob = df[df["rank"] == -1]
+    ct = glob[glob.metric == "ct_all"].value.item()
+    assert abs(ct - 3.659) / 3.659 < 0.02
+    rpt = glob[(glob.metric == "rows_per_token") & (glob.phase == "dispatch") & (glob["pass"] == "forward")]
+    assert rpt.value.item() == 8.0
+    parity = df[df.metric.str.startswith("parity_")]
+    assert len(parity) == 4 * 6 and (parity.value <= 1e-9).all()
+
+
+def test_results_written_atomically(tmp_path, monkeypatch):
+    df = make_frame([row("x", 1.0, "ms")], {c: 0 for c in
+                    ["run_id", "experiment", "system", "impl", "model", "task", "cluster", "world_size",
+                     "num_experts", "top_k", "hidden_size", "expert_ffn_size", "tokens_per_rank",
+                     "routing", "batch_size", "seq_len", "seed"]})
+
+    def boom(self, path, **kw):
+        Path(path).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", boom)
+    with pytest.raises(OSError):
+        write_results(df, tmp_path)
+    assert not (tmp_path / "results.parquet").exists()
+    assert not list(tmp_path.glob(".*tmp"))
