@@ -11,7 +11,7 @@ Shapes: T tokens, K top-k, E experts, P devices.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +66,11 @@ class Recorder:
         self.comm.clear()
         self.spans.clear()
         self.routing.clear()
+
+
+def span(recorder: "Recorder | None", layer: int, name: str, direction: str = "forward"):
+    """``recorder.span(...)``, or a no-op when there is no recorder."""
+    return nullcontext() if recorder is None else recorder.span(layer, name, direction)
 
 
 def devices_per_token(topk_ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor:

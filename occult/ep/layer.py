@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .accounting import Recorder
+from .accounting import Recorder, span
 from .dispatcher import Dispatcher
 from .experts import GroupedExperts, swiglu
 from .router import RoutingTransform, TopKRouter
@@ -42,27 +42,20 @@ class MoELayer(nn.Module):
     def forward(self, x_TD: torch.Tensor, recorder: Optional[Recorder] = None,
                 forced_ids_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
         rec, li = recorder, self.layer_idx
-        with _span(rec, li, "route"):
+        with span(rec, li, "route"):
             probs_TE, topk_ids_TK, topk_weights_TK = self.router(x_TD, forced_ids_TK)
             if self.transform is not None:
                 topk_ids_TK, topk_weights_TK = self.transform(
                     probs_TE, topk_ids_TK, topk_weights_TK, self.dispatcher.placement)
         if rec is not None:
             rec.log_routing(li, topk_ids_TK)
-        with _span(rec, li, "dispatch"):
+        with span(rec, li, "dispatch"):
             routed_RD, counts_e, handle = self.dispatcher.dispatch(
                 x_TD, topk_ids_TK, topk_weights_TK, layer=li, recorder=rec)
-        with _span(rec, li, "experts"):
+        with span(rec, li, "experts"):
             y_RD = self.experts(routed_RD, counts_e)
-        with _span(rec, li, "combine"):
+        with span(rec, li, "combine"):
             return self.dispatcher.combine(y_RD, handle)
-
-
-def _span(recorder: Optional[Recorder], layer: int, name: str):
-    if recorder is None:
-        import contextlib
-        return contextlib.nullcontext()
-    return recorder.span(layer, name)
 
 
 def reference_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,

@@ -1,0 +1,84 @@
+"""system=occult: collaborative all-to-all, exact top-k MoE with one row per
+(token, destination device).
+
+Forward (Occult, Fig. 4):
+  sender    route -> BRIM_0 -> ORI to SFD (one copy per destination device, with
+            the gate weights of that device's local experts beside it)
+  exchange  all-to-all of SFD rows (+ the local-expert masks)
+  receiver  BRIM_1 -> SFD to EPD -> grouped experts (shared code) ->
+            merge EPD to SFD: weight by the gate weights and sum the rows of
+            the same token (intra-device pre-aggregation)
+  exchange  all-to-all of the merged SFD rows back
+  sender    SFD to ORI: sum each token's rows (by BRIM_0)
+
+Autograd flows through the index operations; the backward all-to-alls
+(:mod:`occult.ep.comm`) move the same deduplicated rows as the forward ones.
+
+Shapes: T tokens, K top-k, D hidden, P ranks, e local experts, R SFD rows,
+Q EPD rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..ep import Dispatcher, Exchange, Recorder, all_to_all_rows, exchange_counts
+from ..ep.accounting import span
+from .brim import Brim0, Brim1, build_brim0, build_brim1, local_expert_weights
+
+
+@dataclass(frozen=True)
+class OccultHandle:
+    brim0: Brim0                 # sender side
+    brim1: Brim1                 # receiver side
+    weight_Q: torch.Tensor       # gate weight of each EPD row (received)
+    send_P: list
+    recv_P: list
+    num_tokens: int
+    layer: int
+    recorder: Optional[Recorder]
+
+
+class OccultDispatcher(Dispatcher):
+    name = "occult"
+    impl = "harness"
+
+    def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
+        rec, D = recorder, x_TD.shape[1]
+        with span(rec, layer, "occult_index"):
+            brim0 = build_brim0(topk_ids_TK, self.placement)
+            w_Re, uses_Re = local_expert_weights(topk_ids_TK, topk_weights_TK, self.placement, brim0)
+            # ORI -> SFD: one copy per destination device, its local gate weights beside it
+            sfd_RX = torch.cat([x_TD[brim0.token_R], w_Re.to(x_TD.dtype)], dim=1)
+        # device-to-host sync: split sizes must be Python ints for the collective
+        send_P = brim0.send_P.tolist()
+        recv_P = self._exchange_counts(brim0.send_P, layer, rec)
+        recv_RX = all_to_all_rows(sfd_RX, send_P, recv_P, self.ep, Exchange(layer, "dispatch", rec))
+        uses_recv_Re = all_to_all_rows(uses_Re.to(torch.uint8), send_P, recv_P, self.ep,
+                                       Exchange(layer, "dispatch_meta", rec)).bool()
+        with span(rec, layer, "occult_index"):
+            brim1 = build_brim1(uses_recv_Re)
+            # SFD -> EPD: one row per (token, local expert), grouped by expert
+            routed_QD = recv_RX[brim1.row_Q, :D]
+            weight_Q = recv_RX[brim1.row_Q, D + brim1.slot_Q]
+        handle = OccultHandle(brim0, brim1, weight_Q, send_P, recv_P, x_TD.shape[0], layer, rec)
+        return routed_QD, brim1.counts_e, handle
+
+    def combine(self, y_QD, handle: OccultHandle):
+        rec, layer = handle.recorder, handle.layer
+        with span(rec, layer, "occult_merge"):
+            # EPD -> SFD on the receiver: gate-weight and pre-aggregate rows of the same token
+            merged_RD = y_QD.new_zeros((sum(handle.recv_P), y_QD.shape[1]))
+            merged_RD = merged_RD.index_add(0, handle.brim1.row_Q, y_QD * handle.weight_Q.unsqueeze(1))
+        back_RD = all_to_all_rows(merged_RD, handle.recv_P, handle.send_P, self.ep,
+                                  Exchange(layer, "combine", rec))
+        with span(rec, layer, "occult_merge"):
+            # SFD -> ORI at home: sum the copies of each token
+            out_TD = back_RD.new_zeros((handle.num_tokens, back_RD.shape[1]))
+            return out_TD.index_add(0, handle.brim0.token_R, back_RD)
+
+    def _exchange_counts(self, send_P: torch.Tensor, layer: int, rec) -> list:
+        recv = exchange_counts(send_P.view(-1, 1), self.ep, Exchange(layer, "counts", rec))
+        return recv.flatten().tolist()
