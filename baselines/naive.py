@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 
 from occult.ep import Dispatcher, Exchange, Recorder, all_to_all_rows, exchange_counts
-from occult.ep.permute import expert_major_order, inverse_permutation, sort_pairs_by_destination
+from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination,
+                               weighted_scatter_add)
 
 
 @dataclass(frozen=True)
@@ -43,15 +44,14 @@ class NaiveDispatcher(Dispatcher):
         # device-to-host sync: split sizes go to the collective as Python ints
         send_P, recv_P = send_Pe.sum(1).tolist(), recv_Pe.sum(1).tolist()
         token_R = order_R // K
-        x_recv_RD = all_to_all_rows(x_TD[token_R], send_P, recv_P, self.ep,
+        x_recv_RD = all_to_all_rows(gather_rows(x_TD, token_R), send_P, recv_P, self.ep,
                                     Exchange(layer, "dispatch", recorder))
         perm_R = expert_major_order(recv_Pe)
         handle = NaiveHandle(token_R, topk_weights_TK.flatten()[order_R], inverse_permutation(perm_R),
                              send_P, recv_P, x_TD.shape[0], layer, recorder)
-        return x_recv_RD[perm_R], recv_Pe.sum(0), handle
+        return gather_rows(x_recv_RD, perm_R), recv_Pe.sum(0), handle
 
     def combine(self, y_RD, handle: NaiveHandle):
-        y_back_RD = all_to_all_rows(y_RD[handle.inv_perm_R], handle.recv_P, handle.send_P, self.ep,
+        y_back_RD = all_to_all_rows(gather_rows(y_RD, handle.inv_perm_R), handle.recv_P, handle.send_P, self.ep,
                                     Exchange(handle.layer, "combine", handle.recorder))
-        out_TD = y_RD.new_zeros((handle.num_tokens, y_RD.shape[1]))
-        return out_TD.index_add(0, handle.token_R, y_back_RD * handle.weight_R.unsqueeze(1))
+        return weighted_scatter_add(handle.num_tokens, handle.token_R, y_back_RD, handle.weight_R)

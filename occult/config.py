@@ -35,6 +35,7 @@ class TaskConf:
     iters: int = 5
     backward: bool = True
     check_parity: bool = True           # compare with the reference before timing
+    sync_collectives: bool = False      # barrier before each collective: a2a_time = transfer only
 
 
 @dataclass

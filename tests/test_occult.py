@@ -66,7 +66,7 @@ def test_rows_per_token_equal_ct_all_in_every_phase_and_pass():
             assert r["sent_rows"][("dispatch", "forward")] == r["distinct_devices"]
         if case.top_k == 1:
             for o, n in zip(occ, nai):
-                assert o["sent_rows"] == n["sent_rows"] | {("dispatch_meta", "forward"): o["sent_rows"][
-                    ("dispatch_meta", "forward")]}, case
+                for key in n["sent_rows"]:
+                    assert o["sent_rows"][key] == n["sent_rows"][key], (case, key)
         for r in occ + nai:
             assert all(v <= 1e-9 for v in r["errors"].values()), (case, r["errors"])

@@ -26,6 +26,7 @@ import torch
 
 from ..ep import Dispatcher, Exchange, Recorder, all_to_all_rows, exchange_counts
 from ..ep.accounting import span
+from ..ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
 from .brim import Brim0, Brim1, build_brim0, build_brim1, local_expert_weights
 
 
@@ -46,23 +47,25 @@ class OccultDispatcher(Dispatcher):
     impl = "harness"
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
-        rec, D = recorder, x_TD.shape[1]
+        rec = recorder
         with span(rec, layer, "occult_index"):
             brim0 = build_brim0(topk_ids_TK, self.placement)
             w_Re, uses_Re = local_expert_weights(topk_ids_TK, topk_weights_TK, self.placement, brim0)
-            # ORI -> SFD: one copy per destination device, its local gate weights beside it
-            sfd_RX = torch.cat([x_TD[brim0.token_R], w_Re.to(x_TD.dtype)], dim=1)
+            # ORI -> SFD: one copy per destination device; beside it, per local expert of that
+            # device, the gate weight and a use mask (1/0) in one small [R, 2e] tensor
+            sfd_RD = gather_rows(x_TD, brim0.token_R)
+            meta_RX = torch.cat([w_Re.to(x_TD.dtype), uses_Re.to(x_TD.dtype)], dim=1)
         # device-to-host sync: split sizes must be Python ints for the collective
         send_P = brim0.send_P.tolist()
-        recv_P = self._exchange_counts(brim0.send_P, layer, rec)
-        recv_RX = all_to_all_rows(sfd_RX, send_P, recv_P, self.ep, Exchange(layer, "dispatch", rec))
-        uses_recv_Re = all_to_all_rows(uses_Re.to(torch.uint8), send_P, recv_P, self.ep,
-                                       Exchange(layer, "dispatch_meta", rec)).bool()
+        recv_P = exchange_counts(brim0.send_P.view(-1, 1), self.ep, Exchange(layer, "counts", rec)).flatten().tolist()
+        recv_RD = all_to_all_rows(sfd_RD, send_P, recv_P, self.ep, Exchange(layer, "dispatch", rec))
+        meta_recv_RX = all_to_all_rows(meta_RX, send_P, recv_P, self.ep, Exchange(layer, "dispatch_meta", rec))
         with span(rec, layer, "occult_index"):
-            brim1 = build_brim1(uses_recv_Re)
+            e = self.placement.num_local
+            brim1 = build_brim1(meta_recv_RX[:, e:].detach() > 0.5)
             # SFD -> EPD: one row per (token, local expert), grouped by expert
-            routed_QD = recv_RX[brim1.row_Q, :D]
-            weight_Q = recv_RX[brim1.row_Q, D + brim1.slot_Q]
+            routed_QD = gather_rows(recv_RD, brim1.row_Q)
+            weight_Q = meta_recv_RX[brim1.row_Q, brim1.slot_Q]
         handle = OccultHandle(brim0, brim1, weight_Q, send_P, recv_P, x_TD.shape[0], layer, rec)
         return routed_QD, brim1.counts_e, handle
 
@@ -70,15 +73,9 @@ class OccultDispatcher(Dispatcher):
         rec, layer = handle.recorder, handle.layer
         with span(rec, layer, "occult_merge"):
             # EPD -> SFD on the receiver: gate-weight and pre-aggregate rows of the same token
-            merged_RD = y_QD.new_zeros((sum(handle.recv_P), y_QD.shape[1]))
-            merged_RD = merged_RD.index_add(0, handle.brim1.row_Q, y_QD * handle.weight_Q.unsqueeze(1))
+            merged_RD = weighted_scatter_add(sum(handle.recv_P), handle.brim1.row_Q, y_QD, handle.weight_Q)
         back_RD = all_to_all_rows(merged_RD, handle.recv_P, handle.send_P, self.ep,
                                   Exchange(layer, "combine", rec))
         with span(rec, layer, "occult_merge"):
             # SFD -> ORI at home: sum the copies of each token
-            out_TD = back_RD.new_zeros((handle.num_tokens, back_RD.shape[1]))
-            return out_TD.index_add(0, handle.brim0.token_R, back_RD)
-
-    def _exchange_counts(self, send_P: torch.Tensor, layer: int, rec) -> list:
-        recv = exchange_counts(send_P.view(-1, 1), self.ep, Exchange(layer, "counts", rec))
-        return recv.flatten().tolist()
+            return scatter_add_rows(handle.num_tokens, handle.brim0.token_R, back_RD)

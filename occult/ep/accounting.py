@@ -29,7 +29,8 @@ class CommEvent:
     src_rank: int
     rows_P: tuple         # rows sent to each destination rank
     row_bytes: int        # bytes per row
-    seconds: float
+    seconds: float        # the collective itself
+    wait_seconds: float = 0.0   # barrier before it (only with Recorder.sync_collectives)
 
 
 @dataclass
@@ -41,14 +42,17 @@ class Recorder:
     """
 
     rank: int = 0
+    # barrier before every collective, timed apart, so that a2a times measure the
+    # transfer and not the wait for the slowest peer (adds a barrier per collective)
+    sync_collectives: bool = False
     comm: list = field(default_factory=list)
     spans: list = field(default_factory=list)     # (layer, name, direction, seconds)
     routing: list = field(default_factory=list)   # (layer, topk_ids_TK)
 
     def log_collective(self, *, layer: int, phase: str, direction: str, rows_P, row_bytes: int,
-                       seconds: float) -> None:
+                       seconds: float, wait_seconds: float = 0.0) -> None:
         self.comm.append(CommEvent(layer, phase, direction, self.rank, tuple(int(r) for r in rows_P),
-                                   int(row_bytes), float(seconds)))
+                                   int(row_bytes), float(seconds), float(wait_seconds)))
 
     @contextmanager
     def span(self, layer: int, name: str, direction: str = "forward"):

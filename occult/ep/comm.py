@@ -38,6 +38,12 @@ class Exchange:
 def _exchange(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where: Exchange,
               direction: str) -> torch.Tensor:
     """One all-to-all of rows; ``send_P[j]`` rows go to rank j, ``recv_P[j]`` come from rank j."""
+    rec = where.recorder
+    wait = 0.0
+    if rec is not None and rec.sync_collectives and ep.world_size > 1:
+        t_wait = time.perf_counter()
+        dist.barrier(group=ep.group)
+        wait = time.perf_counter() - t_wait
     t0 = time.perf_counter()
     x_RD = x_RD.contiguous()
     out = x_RD.new_empty((sum(recv_P),) + tuple(x_RD.shape[1:]))
@@ -45,11 +51,10 @@ def _exchange(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where
         out.copy_(x_RD)
     else:
         dist.all_to_all_single(out, x_RD, list(recv_P), list(send_P), group=ep.group)
-    if where.recorder is not None:
+    if rec is not None:
         row_bytes = int(torch.Size(x_RD.shape[1:]).numel() * x_RD.element_size())
-        where.recorder.log_collective(layer=where.layer, phase=where.phase, direction=direction,
-                                      rows_P=send_P, row_bytes=row_bytes,
-                                      seconds=time.perf_counter() - t0)
+        rec.log_collective(layer=where.layer, phase=where.phase, direction=direction, rows_P=send_P,
+                           row_bytes=row_bytes, seconds=time.perf_counter() - t0, wait_seconds=wait)
     return out
 
 

@@ -40,3 +40,44 @@ def inverse_permutation(perm_R: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(perm_R)
     inv[perm_R] = torch.arange(perm_R.numel())
     return inv
+
+
+def gather_rows(x_RD: torch.Tensor, index_Q: torch.Tensor) -> torch.Tensor:
+    """``x_RD[index_Q]`` as ``index_select``: its backward is one ``index_add``
+    (advanced indexing's backward, an accumulating ``index_put``, is much slower on CPU)."""
+    return x_RD.index_select(0, index_Q)
+
+
+def scatter_add_rows(num_rows: int, index_Q: torch.Tensor, src_QD: torch.Tensor) -> torch.Tensor:
+    """``out[index_Q[q]] += src_QD[q]`` into fresh zeros: [Q, D] -> [num_rows, D]
+    (in place on the zeros: one pass, no copy)."""
+    out = src_QD.new_zeros((num_rows,) + tuple(src_QD.shape[1:]))
+    return out.index_add_(0, index_Q, src_QD)
+
+
+class _WeightedScatterAdd(torch.autograd.Function):
+    """out[index[q]] += weight[q] * src[q], with a backward that allocates one [Q, D]
+    buffer (a gather) instead of three: on a CPU, fresh large buffers cost more than the
+    arithmetic (page faults)."""
+
+    @staticmethod
+    def forward(ctx, src_QD, weight_Q, index_Q, num_rows):
+        ctx.save_for_backward(src_QD, weight_Q, index_Q)
+        return scatter_add_rows(num_rows, index_Q, src_QD * weight_Q.unsqueeze(1))
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        src_QD, weight_Q, index_Q = ctx.saved_tensors
+        g_QD = grad_RD.index_select(0, index_Q)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.bmm(g_QD.unsqueeze(1), src_QD.unsqueeze(2)).view(-1)   # row-wise dot
+        grad_src = g_QD.mul_(weight_Q.unsqueeze(1)) if ctx.needs_input_grad[0] else None
+        return grad_src, grad_w, None, None
+
+
+def weighted_scatter_add(num_rows: int, index_Q: torch.Tensor, src_QD: torch.Tensor,
+                         weight_Q: torch.Tensor) -> torch.Tensor:
+    """``out[index_Q[q]] += weight_Q[q] * src_QD[q]`` into zeros: [Q, D] -> [num_rows, D].
+    The gate-weighted sum every dispatcher's combine ends with (differentiable in both)."""
+    return _WeightedScatterAdd.apply(src_QD, weight_Q, index_Q, num_rows)

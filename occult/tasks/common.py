@@ -44,6 +44,9 @@ def timing_rows(rec: Recorder, sample: int) -> list:
                 sample=sample) for layer, name, direction, s in rec.spans]
     rows += [row("a2a_time", ev.seconds * 1e3, "ms", layer=ev.layer, rank=rec.rank, phase=ev.phase,
                  direction=ev.direction, sample=sample) for ev in rec.comm]
+    if rec.sync_collectives:
+        rows += [row("a2a_wait", ev.wait_seconds * 1e3, "ms", layer=ev.layer, rank=rec.rank,
+                     phase=ev.phase, direction=ev.direction, sample=sample) for ev in rec.comm]
     return rows
 
 

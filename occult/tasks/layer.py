@@ -69,32 +69,39 @@ def run_rank(ctx, cfg_dict: dict) -> list:
                             placement)
     layer = build_layer(ctx, cfg, placement)
     x_TD, ids_TK, grad_TD = make_inputs(ctx, cfg)
-    rec = Recorder(rank=ctx.rank)
+    rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives)
     for it in range(t.warmup + t.iters):
-        rec.clear()
-        layer.zero_grad(set_to_none=True)
-        x = x_TD.clone().requires_grad_(t.backward)
-        _barrier(ctx)
-        t0 = time.perf_counter()
-        out = layer(x, rec, ids_TK)
-        t1 = time.perf_counter()
-        if t.backward:
-            out.backward(grad_TD)
-        t2 = time.perf_counter()
-        sample = it - t.warmup
-        if sample < 0:
-            continue
-        rows += timing_rows(rec, sample)
-        rows.append(row("time", (t1 - t0) * 1e3, "ms", layer=0, rank=ctx.rank, phase="layer",
-                        direction="forward", sample=sample))
-        if t.backward:
-            rows.append(row("time", (t2 - t1) * 1e3, "ms", layer=0, rank=ctx.rank, phase="layer",
-                            direction="backward", sample=sample))
-            rows.append(row("time", (t2 - t0) * 1e3, "ms", layer=0, rank=ctx.rank, phase="layer",
-                            direction="forward+backward", sample=sample))
+        sample_rows = time_iteration(ctx, layer, x_TD, ids_TK, grad_TD, rec, it - t.warmup, t.backward)
+        if it >= t.warmup:
+            rows += sample_rows
     # the last timed iteration's collectives and routing (identical in every iteration)
     rows += comm_rows(rec)
     rows += routing_rows(ctx, rec, placement)
+    return rows
+
+
+def time_iteration(ctx, layer: MoELayer, x_TD, ids_TK, grad_TD, rec: Recorder, sample: int,
+                   backward: bool) -> list:
+    """One forward (and backward) of the layer on every rank, started together;
+    returns the sample's rows: phase spans, collective times, layer times."""
+    rec.clear()
+    layer.zero_grad(set_to_none=True)
+    x = x_TD.clone().requires_grad_(backward)
+    _barrier(ctx)
+    t0 = time.perf_counter()
+    out = layer(x, rec, ids_TK)
+    t1 = time.perf_counter()
+    if backward:
+        out.backward(grad_TD)
+    t2 = time.perf_counter()
+    rows = timing_rows(rec, sample)
+    rows.append(row("time", (t1 - t0) * 1e3, "ms", layer=0, rank=ctx.rank, phase="layer",
+                    direction="forward", sample=sample))
+    if backward:
+        rows.append(row("time", (t2 - t1) * 1e3, "ms", layer=0, rank=ctx.rank, phase="layer",
+                        direction="backward", sample=sample))
+        rows.append(row("time", (t2 - t0) * 1e3, "ms", layer=0, rank=ctx.rank, phase="layer",
+                        direction="forward+backward", sample=sample))
     return rows
 
 
