@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-all bench venv clean
+.PHONY: run test test-all test-triton bench venv clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,11 @@ test: $(STAMP)
 # Everything, slow tests included.
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ""
+
+# The Triton kernels' logic under the Triton interpreter, on the CPU (installs triton).
+test-triton: $(STAMP)
+	$(PY) -m pip install --quiet triton==3.7.1
+	$(PY) -m pytest -q -m "" tests/test_triton_kernels.py
 
 # Benchmarks: ratios between systems measured in the same run.
 bench: $(STAMP)

@@ -64,10 +64,16 @@ def bench_rank(ctx, cfgs: list) -> list:
             rows[i].append(row("activation_bytes", act, "bytes", layer=0, rank=ctx.rank))
         task = first.task
         for it in range(task.warmup + task.iters):
+            took = []
             for i, layer in enumerate(layers):
+                t0 = time.perf_counter()
                 sample = time_iteration(ctx, layer, x_TD, ids_TK, grad_TD, recs[i], it - task.warmup, True)
+                took.append(f"{group[i]['system']['name']} {time.perf_counter() - t0:.1f} s")
                 if it >= task.warmup:
                     rows[i] += sample
+            if ctx.rank == 0:
+                kind = "warm-up" if it < task.warmup else f"sample {it - task.warmup + 1}/{task.iters}"
+                print(f"  [{first.model.name}] {kind}: {', '.join(took)}", flush=True)
         for i, cfg_dict in enumerate(group):
             rows[i] += comm_rows(recs[i]) + routing_rows(ctx, recs[i], placement)
             out.append((cfg_dict["system"]["name"], cfg_dict["model"]["name"], rows[i]))
@@ -86,7 +92,21 @@ def ratio_table(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
     for col in cols:
         base = table[table.system == baseline].set_index("model")[col]
         table[f"{col}_ratio"] = table[col] / table.model.map(base)
+    for direction in ("forward", "forward+backward"):
+        spread = _paired_ratio_range(df, baseline, direction)
+        table[f"layer_{direction}_paired_ratio_range"] = table.run_dir.map(spread)
     return table
+
+
+def _paired_ratio_range(df: pd.DataFrame, baseline: str, direction: str) -> pd.Series:
+    """Per run, '[min, max]' over samples of (its layer time / the baseline's layer time in
+    the same sample): iterations alternate between systems, so each sample is a pair."""
+    sel = df[(df.metric == "time") & (df.phase == "layer") & (df["pass"] == direction) & (df["sample"] >= 0)]
+    slow = sel.groupby(["model", "system", "run_dir", "sample"]).value.max().reset_index()
+    base = slow[slow.system == baseline].set_index(["model", "sample"]).value
+    slow["ratio"] = slow.value / slow.set_index(["model", "sample"]).index.map(base).to_numpy()
+    agg = slow.groupby("run_dir").ratio.agg(["min", "max"])
+    return agg.apply(lambda r: f"[{r['min']:.2f}, {r['max']:.2f}]", axis=1)
 
 
 def _index_share(df: pd.DataFrame) -> pd.Series:
@@ -140,7 +160,8 @@ def main() -> None:
     table.to_csv(out / "bench.csv", index=False)
     shown = ["model", "system", "hidden_size", "expert_ffn_size", "tokens_per_rank", "ct_all",
              "dispatch_rows_per_token"] + [c for c in table.columns if c.endswith("_ratio")] + \
-            ["own_index_work_share_fwd", "layer_fwd_ms", "layer_fwd_bwd_ms", "activation_MB_max_rank"]
+            ["layer_forward_paired_ratio_range", "layer_forward+backward_paired_ratio_range",
+             "own_index_work_share_fwd", "layer_fwd_ms", "layer_fwd_bwd_ms", "activation_MB_max_rank"]
     md = table[shown].to_markdown(index=False, floatfmt=".3g")
     (out / "bench.md").write_text(f"# Benchmark ({time.perf_counter() - t0:.0f} s)\n\n{md}\n")
     print(md)

@@ -26,7 +26,9 @@ import torch
 
 from ..ep import Dispatcher, Exchange, Recorder, all_to_all_rows, exchange_counts
 from ..ep.accounting import span
+from ..ep.experts import GatheredRows
 from ..ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
+from ..kernels import triton_available, use_triton
 from .brim import Brim0, Brim1, build_brim0, build_brim1, local_expert_weights
 
 
@@ -40,11 +42,34 @@ class OccultHandle:
     num_tokens: int
     layer: int
     recorder: Optional[Recorder]
+    fused: bool = False          # Triton kernels for the expert matmul and the merge
+
+
+KERNELS = ("auto", "torch", "triton")
 
 
 class OccultDispatcher(Dispatcher):
+    """``kernels``: ``torch`` (vectorised PyTorch, the reference path), ``triton`` (the
+    gather-fused expert matmul and the atomic weighted merge; CUDA, or the Triton
+    interpreter), or ``auto`` (triton on CUDA tensors when triton imports, else torch)."""
+
     name = "occult"
     impl = "harness"
+
+    def __init__(self, ep, placement, kernels: str = "auto"):
+        super().__init__(ep, placement)
+        if kernels not in KERNELS:
+            raise ValueError(f"system.kernels={kernels!r}: allowed values are {list(KERNELS)}")
+        if kernels == "triton" and not triton_available():
+            raise ValueError("system.kernels=triton: the triton package is not installed "
+                             "(pip install -e '.[gpu]')")
+        self.kernels = kernels
+
+    def _fused(self, x_TD) -> bool:
+        if self.kernels == "triton" and not use_triton(x_TD):
+            raise ValueError("system.kernels=triton runs on CUDA tensors only (or under the Triton "
+                             "interpreter, TRITON_INTERPRET=1); use kernels=auto or torch on a CPU")
+        return self.kernels != "torch" and use_triton(x_TD)
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         rec = recorder
@@ -63,17 +88,23 @@ class OccultDispatcher(Dispatcher):
         with span(rec, layer, "occult_index"):
             e = self.placement.num_local
             brim1 = build_brim1(meta_recv_RX[:, e:].detach() > 0.5)
-            # SFD -> EPD: one row per (token, local expert), grouped by expert
-            routed_QD = gather_rows(recv_RD, brim1.row_Q)
+            # SFD -> EPD: one row per (token, local expert), grouped by expert; the fused
+            # path hands the experts the received rows and BRIM_1's row index instead
+            fused = self._fused(x_TD)
+            routed_QD = GatheredRows(recv_RD, brim1.row_Q) if fused else gather_rows(recv_RD, brim1.row_Q)
             weight_Q = meta_recv_RX[brim1.row_Q, brim1.slot_Q]
-        handle = OccultHandle(brim0, brim1, weight_Q, send_P, recv_P, x_TD.shape[0], layer, rec)
+        handle = OccultHandle(brim0, brim1, weight_Q, send_P, recv_P, x_TD.shape[0], layer, rec, fused)
         return routed_QD, brim1.counts_e, handle
 
     def combine(self, y_QD, handle: OccultHandle):
         rec, layer = handle.recorder, handle.layer
         with span(rec, layer, "occult_merge"):
             # EPD -> SFD on the receiver: gate-weight and pre-aggregate rows of the same token
-            merged_RD = weighted_scatter_add(sum(handle.recv_P), handle.brim1.row_Q, y_QD, handle.weight_Q)
+            kernel = None
+            if handle.fused:
+                from ..kernels.fused import triton_weighted_scatter_add as kernel
+            merged_RD = weighted_scatter_add(sum(handle.recv_P), handle.brim1.row_Q, y_QD, handle.weight_Q,
+                                             kernel)
         back_RD = all_to_all_rows(merged_RD, handle.recv_P, handle.send_P, self.ep,
                                   Exchange(layer, "combine", rec))
         with span(rec, layer, "occult_merge"):

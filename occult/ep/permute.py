@@ -58,11 +58,14 @@ def scatter_add_rows(num_rows: int, index_Q: torch.Tensor, src_QD: torch.Tensor)
 class _WeightedScatterAdd(torch.autograd.Function):
     """out[index[q]] += weight[q] * src[q], with a backward that allocates one [Q, D]
     buffer (a gather) instead of three: on a CPU, fresh large buffers cost more than the
-    arithmetic (page faults)."""
+    arithmetic (page faults). ``kernel`` replaces the forward (a GPU kernel); the
+    backward is the same."""
 
     @staticmethod
-    def forward(ctx, src_QD, weight_Q, index_Q, num_rows):
+    def forward(ctx, src_QD, weight_Q, index_Q, num_rows, kernel):
         ctx.save_for_backward(src_QD, weight_Q, index_Q)
+        if kernel is not None:
+            return kernel(num_rows, index_Q, src_QD, weight_Q)
         return scatter_add_rows(num_rows, index_Q, src_QD * weight_Q.unsqueeze(1))
 
     @staticmethod
@@ -73,11 +76,12 @@ class _WeightedScatterAdd(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = torch.bmm(g_QD.unsqueeze(1), src_QD.unsqueeze(2)).view(-1)   # row-wise dot
         grad_src = g_QD.mul_(weight_Q.unsqueeze(1)) if ctx.needs_input_grad[0] else None
-        return grad_src, grad_w, None, None
+        return grad_src, grad_w, None, None, None
 
 
 def weighted_scatter_add(num_rows: int, index_Q: torch.Tensor, src_QD: torch.Tensor,
-                         weight_Q: torch.Tensor) -> torch.Tensor:
+                         weight_Q: torch.Tensor, kernel=None) -> torch.Tensor:
     """``out[index_Q[q]] += weight_Q[q] * src_QD[q]`` into zeros: [Q, D] -> [num_rows, D].
-    The gate-weighted sum every dispatcher's combine ends with (differentiable in both)."""
-    return _WeightedScatterAdd.apply(src_QD, weight_Q, index_Q, num_rows)
+    The gate-weighted sum every dispatcher's combine ends with (differentiable in both).
+    ``kernel(num_rows, index_Q, src_QD, weight_Q)``, if given, computes the forward."""
+    return _WeightedScatterAdd.apply(src_QD, weight_Q, index_Q, num_rows, kernel)
