@@ -48,11 +48,31 @@ def gather_rows(x_RD: torch.Tensor, index_Q: torch.Tensor) -> torch.Tensor:
     return x_RD.index_select(0, index_Q)
 
 
-def scatter_add_rows(num_rows: int, index_Q: torch.Tensor, src_QD: torch.Tensor) -> torch.Tensor:
-    """``out[index_Q[q]] += src_QD[q]`` into fresh zeros: [Q, D] -> [num_rows, D]
-    (in place on the zeros: one pass, no copy)."""
+def _scatter_add(num_rows: int, index_Q: torch.Tensor, src_QD: torch.Tensor) -> torch.Tensor:
     out = src_QD.new_zeros((num_rows,) + tuple(src_QD.shape[1:]))
     return out.index_add_(0, index_Q, src_QD)
+
+
+class _ScatterAddRows(torch.autograd.Function):
+    """Saves only the index for backward (autograd's own ``index_add`` keeps the source alive)."""
+
+    @staticmethod
+    def forward(ctx, src_QD, index_Q, num_rows):
+        ctx.save_for_backward(index_Q)
+        return _scatter_add(num_rows, index_Q, src_QD)
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        (index_Q,) = ctx.saved_tensors
+        return grad_RD.index_select(0, index_Q), None, None
+
+
+def scatter_add_rows(num_rows: int, index_Q: torch.Tensor, src_QD: torch.Tensor) -> torch.Tensor:
+    """``out[index_Q[q]] += src_QD[q]`` into fresh zeros: [Q, D] -> [num_rows, D]
+    (in place on the zeros: one pass, no copy; backward keeps only the index)."""
+    if src_QD.requires_grad:
+        return _ScatterAddRows.apply(src_QD, index_Q, num_rows)
+    return _scatter_add(num_rows, index_Q, src_QD)
 
 
 class _WeightedScatterAdd(torch.autograd.Function):
@@ -66,7 +86,7 @@ class _WeightedScatterAdd(torch.autograd.Function):
         ctx.save_for_backward(src_QD, weight_Q, index_Q)
         if kernel is not None:
             return kernel(num_rows, index_Q, src_QD, weight_Q)
-        return scatter_add_rows(num_rows, index_Q, src_QD * weight_Q.unsqueeze(1))
+        return _scatter_add(num_rows, index_Q, src_QD * weight_Q.unsqueeze(1))
 
     @staticmethod
     def backward(ctx, grad_RD):
