@@ -25,6 +25,7 @@ import torch
 from .accounting import Recorder
 from .comm import EPGroup
 from .placement import Placement
+from .router import RoutingTransform
 
 
 class Dispatcher(ABC):
@@ -49,6 +50,11 @@ class Dispatcher(ABC):
                              f"the group has {ep.world_size}")
         self.ep = ep
         self.placement = placement
+
+    def routing_transform(self) -> Optional[RoutingTransform]:
+        """A routing transform this system applies after the router (e.g. collaboration
+        pruning), or None. The MoE layer calls it between routing and dispatch."""
+        return None
 
     @property
     def local_expert_ids(self) -> torch.Tensor:

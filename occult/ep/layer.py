@@ -44,9 +44,10 @@ class MoELayer(nn.Module):
         rec, li = recorder, self.layer_idx
         with span(rec, li, "route"):
             probs_TE, topk_ids_TK, topk_weights_TK = self.router(x_TD, forced_ids_TK)
-            if self.transform is not None:
-                topk_ids_TK, topk_weights_TK = self.transform(
-                    probs_TE, topk_ids_TK, topk_weights_TK, self.dispatcher.placement)
+            transform = self.transform or self.dispatcher.routing_transform()
+            if transform is not None:
+                topk_ids_TK, topk_weights_TK = transform(probs_TE, topk_ids_TK, topk_weights_TK,
+                                                         self.dispatcher.placement)
         if rec is not None:
             rec.log_routing(li, topk_ids_TK)
         with span(rec, li, "dispatch"):
