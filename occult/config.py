@@ -22,6 +22,20 @@ class ModelConf:
     expert_ffn_size: int = MISSING      # F
     norm_topk_prob: bool = False        # renormalise the top-k gate weights
     dtype: str = "float32"
+    # whole models (tasks prefill / decode / train / pretrain); unused by task=layer
+    family: str = ""                    # olmoe | qwen2_moe | deepseek_v2
+    num_layers: int = 1
+    num_heads: int = 4
+    vocab_size: int = 0                 # 0: the tokenizer's vocabulary
+    num_shared_experts: int = 0
+    shared_expert_ffn_size: int = 0
+    dense_ffn_size: int = 0             # FFN of dense layers (the first first_k_dense layers)
+    first_k_dense: int = 0
+    max_position: int = 2048
+    hf_overrides: Dict[str, Any] = field(default_factory=dict)   # family-specific config fields
+    path: Optional[str] = None          # a local checkpoint folder (config.json + safetensors)
+    proxy: bool = False                 # a CPU proxy: tasks use its pre-trained checkpoint
+    init: str = "trained"               # proxies: trained (cached; pre-trained first if missing) | random
 
 
 @dataclass

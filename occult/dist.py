@@ -21,7 +21,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import multiprocessing as mp
+import pickle
 
 from .ep.comm import EPGroup
 
@@ -82,7 +83,9 @@ def _worker(rank, world_size, port, backend, timeout_s, threads, seed, fn, args,
     try:
         ctx = _init_rank(rank, world_size, f"tcp://127.0.0.1:{port}", backend, timeout_s, threads, seed)
         out = fn(ctx, *args)
-        results.put((rank, out))
+        # plain pickle: tensors travel by value (torch's queue reducers would pass shared
+        # memory handles that die with this process)
+        results.put((rank, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         errors.put((rank, time.time(), traceback.format_exc()))
         raise SystemExit(1)
@@ -130,7 +133,7 @@ def _supervise(procs, results, errors, timeout_s) -> list:
     while len(out) < len(procs):
         try:
             rank, value = results.get(timeout=0.05)
-            out[rank] = value
+            out[rank] = pickle.loads(value)
             continue
         except queue.Empty:
             pass

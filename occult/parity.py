@@ -136,3 +136,83 @@ def run_grid(ctx, jobs: list) -> list:
         placement = Placement.from_groups(groups) if groups else None
         out.append(check_layer(ctx, import_object(cls_path), case, placement, options))
     return out
+
+
+def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_size: int = 256) -> dict:
+    """An expert-parallel model against the single-device model on the concatenation of
+    all ranks' sequences: logits, loss, and the gradients of every weight (replicated
+    weights after data-parallel averaging; experts against the reference's slice).
+
+    ``cfg_dict`` holds ``model``, ``system`` and ``seed``; weights are random (seeded).
+    """
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from .ep.accounting import recording
+    from .models.build import moe_blocks
+    from .models.families import expert_weights_from_block, family_of
+    from .models.runtime import base_model, make_rank_model, sync_gradients
+
+    cfg = OmegaConf.create(cfg_dict)
+    fam = family_of(cfg.model.family)
+    P, rank = ctx.world_size, ctx.rank
+    g = torch.Generator().manual_seed(cfg.seed + 99)
+    ids_all = torch.randint(0, vocab_size, (batch_per_rank * P, seq_len), generator=g)
+    ids = ids_all[rank * batch_per_rank:(rank + 1) * batch_per_rank]
+
+    ref = base_model(cfg, vocab_size)
+    model = make_rank_model(ctx, copy.deepcopy(ref), cfg, OmegaConf.to_container(cfg.system))
+    ref_out = ref(input_ids=ids_all, labels=ids_all)
+    ref_out.loss.backward()
+    rec = Recorder(rank=rank)
+    with recording(rec):
+        out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    sync_gradients(ctx, model)
+    loss = out.loss.detach().clone()
+    if P > 1:
+        dist.all_reduce(loss, group=ctx.ep.group)
+        loss /= P
+
+    errors = {"logits": _rel_err(out.logits.detach(),
+                                 ref_out.logits.detach()[rank * batch_per_rank:(rank + 1) * batch_per_rank]),
+              "loss": abs(loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item())}
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            continue
+        if name in ref_params and p.grad is not None:
+            worst = max(worst, _rel_err(p.grad, ref_params[name].grad))
+    errors["grad_replicated"] = worst
+    worst = 0.0
+    ref_blocks = {i: b for i, _, b in moe_blocks(ref, fam)}
+    for i, layer in enumerate(model.model.layers):
+        if i not in ref_blocks or not hasattr(layer.mlp, "dispatcher"):
+            continue
+        local = layer.mlp.dispatcher.local_expert_ids
+        ref_grads = expert_weights_from_block(_GradView(ref_blocks[i]))
+        for key in ("w_gate", "w_up", "w_down"):
+            worst = max(worst, _rel_err(getattr(layer.mlp.experts, key).grad, ref_grads[key][local]))
+    errors["grad_experts"] = worst
+    sent = {}
+    for ev in rec.comm:
+        sent[(ev.phase, ev.direction)] = sent.get((ev.phase, ev.direction), 0) + sum(ev.rows_P)
+    return {"errors": errors, "sent_rows": sent,
+            "routing": [(layer, ids_TK) for layer, ids_TK, *_ in rec.routing]}
+
+
+class _GradView:
+    """Looks like an MoE block whose expert weights are the block's gradients."""
+
+    def __init__(self, block):
+        class _E:
+            gate_up_proj = block.experts.gate_up_proj.grad
+            down_proj = block.experts.down_proj.grad
+        self.experts = _E()
+
+
+def run_model_grid(ctx, jobs: list) -> list:
+    """``[(cfg_dict, batch_per_rank, seq_len), ...]`` in one world."""
+    return [check_model(ctx, cfg, b, s) for cfg, b, s in jobs]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +48,7 @@ class Recorder:
     sync_collectives: bool = False
     comm: list = field(default_factory=list)
     spans: list = field(default_factory=list)     # (layer, name, direction, seconds)
-    routing: list = field(default_factory=list)   # (layer, topk_ids_TK)
+    routing: list = field(default_factory=list)   # (layer, topk_ids_TK, weights_TK, logits_TE)
 
     def log_collective(self, *, layer: int, phase: str, direction: str, rows_P, row_bytes: int,
                        seconds: float, wait_seconds: float = 0.0) -> None:
@@ -63,13 +64,33 @@ class Recorder:
         finally:
             self.spans.append((layer, name, direction, time.perf_counter() - t0))
 
-    def log_routing(self, layer: int, topk_ids_TK: torch.Tensor) -> None:
-        self.routing.append((layer, topk_ids_TK.detach().clone()))
+    def log_routing(self, layer: int, topk_ids_TK: torch.Tensor, topk_weights_TK=None, logits_TE=None) -> None:
+        """Keeps the layer's top-k ids (and, when given, gate weights and router logits)."""
+        keep = lambda t: None if t is None else t.detach().clone()
+        self.routing.append((layer, keep(topk_ids_TK), keep(topk_weights_TK), keep(logits_TE)))
 
     def clear(self) -> None:
         self.comm.clear()
         self.spans.clear()
         self.routing.clear()
+
+
+_ACTIVE: ContextVar = ContextVar("occult_recorder", default=None)
+
+
+@contextmanager
+def recording(recorder: "Recorder | None"):
+    """Makes ``recorder`` the active one for layers called without an explicit recorder
+    (whole models, whose forward signature the harness does not own)."""
+    token = _ACTIVE.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_recorder() -> "Recorder | None":
+    return _ACTIVE.get()
 
 
 def span(recorder: "Recorder | None", layer: int, name: str, direction: str = "forward"):

@@ -41,22 +41,34 @@ class MoELayer(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, recorder: Optional[Recorder] = None,
                 forced_ids_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
-        rec, li = recorder, self.layer_idx
-        with span(rec, li, "route"):
+        with span(recorder, self.layer_idx, "route"):
             probs_TE, topk_ids_TK, topk_weights_TK = self.router(x_TD, forced_ids_TK)
-            transform = self.transform or self.dispatcher.routing_transform()
-            if transform is not None:
-                topk_ids_TK, topk_weights_TK = transform(probs_TE, topk_ids_TK, topk_weights_TK,
-                                                         self.dispatcher.placement)
-        if rec is not None:
-            rec.log_routing(li, topk_ids_TK)
-        with span(rec, li, "dispatch"):
-            routed_RD, counts_e, handle = self.dispatcher.dispatch(
-                x_TD, topk_ids_TK, topk_weights_TK, layer=li, recorder=rec)
-        with span(rec, li, "experts"):
-            y_RD = self.experts(routed_RD, counts_e)
-        with span(rec, li, "combine"):
-            return self.dispatcher.combine(y_RD, handle)
+        return routed_experts(x_TD, probs_TE, topk_ids_TK, topk_weights_TK, self.dispatcher, self.experts,
+                              self.layer_idx, recorder, self.transform)
+
+
+def routed_experts(x_TD: torch.Tensor, probs_TE: torch.Tensor, topk_ids_TK: torch.Tensor,
+                   topk_weights_TK: torch.Tensor, dispatcher: Dispatcher, experts: GroupedExperts,
+                   layer_idx: int, recorder: Optional[Recorder] = None,
+                   transform: Optional[RoutingTransform] = None,
+                   logits_TE: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The routed part of every EP MoE layer, after the router:
+    routing transform -> dispatch -> grouped experts -> combine: [T, D] -> [T, D]."""
+    rec, li = recorder, layer_idx
+    transform = transform or dispatcher.routing_transform()
+    if transform is not None:
+        with span(rec, li, "route"):
+            topk_ids_TK, topk_weights_TK = transform(probs_TE, topk_ids_TK, topk_weights_TK,
+                                                     dispatcher.placement)
+    if rec is not None:
+        rec.log_routing(li, topk_ids_TK, topk_weights_TK, logits_TE)
+    with span(rec, li, "dispatch"):
+        routed_RD, counts_e, handle = dispatcher.dispatch(x_TD, topk_ids_TK, topk_weights_TK, layer=li,
+                                                          recorder=rec)
+    with span(rec, li, "experts"):
+        y_RD = experts(routed_RD, counts_e)
+    with span(rec, li, "combine"):
+        return dispatcher.combine(y_RD, handle)
 
 
 def reference_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,

@@ -67,7 +67,7 @@ def routing_rows(ctx, rec: Recorder, placement: Placement) -> list:
     over all ranks (``rank=-1``, from an all-gather of every rank's top-k ids)."""
     out = []
     per_rank = {}
-    for layer, ids in rec.routing:
+    for layer, ids, *_ in rec.routing:
         per_rank[layer] = ids
     for layer, ids in sorted(per_rank.items()):
         gathered = [None] * ctx.world_size

@@ -1,0 +1,126 @@
+"""Building the paper's models from config: transformers classes, checkpoints, and the
+expert-parallel version of a model for one rank.
+
+* :func:`hf_config` turns a ``model`` config into the family's transformers config.
+* :func:`init_model` builds it with seeded random weights; :func:`save_checkpoint` and
+  :func:`load_checkpoint` move it through a local folder (config.json + safetensors;
+  never pickle, never the network).
+* :func:`to_expert_parallel` swaps every MoE block for an :class:`EPMoEBlock` that holds
+  only this rank's experts; everything else stays replicated.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..ep import Placement
+from .ep_block import EPMoEBlock
+from .families import Family, family_of
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder that is missing, incomplete or does not fit the model."""
+
+
+def _get(m, key, default=None):
+    return m.get(key, default) if hasattr(m, "get") else getattr(m, key, default)
+
+
+def hf_config(m, vocab_size: Optional[int] = None):
+    """The transformers config of a ``model`` config (a DictConfig or dict)."""
+    fam = family_of(_get(m, "family"))
+    E, K, D, F = m["num_experts"], m["top_k"], m["hidden_size"], m["expert_ffn_size"]
+    heads = _get(m, "num_heads", 4)
+    common = dict(vocab_size=vocab_size or _get(m, "vocab_size"), hidden_size=D,
+                  num_hidden_layers=_get(m, "num_layers", 1), num_attention_heads=heads,
+                  num_key_value_heads=heads, max_position_embeddings=_get(m, "max_position", 2048),
+                  num_experts_per_tok=K, norm_topk_prob=_get(m, "norm_topk_prob", False),
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    first_dense = _get(m, "first_k_dense", 0)
+    shared, shared_F = _get(m, "num_shared_experts", 0), _get(m, "shared_expert_ffn_size", 0)
+    dense_F = _get(m, "dense_ffn_size", 0)
+    if fam.name == "olmoe":
+        if shared or first_dense:
+            raise ValueError("model: OLMoE has no shared experts and no dense layers "
+                             "(num_shared_experts and first_k_dense must be 0)")
+        kw = dict(intermediate_size=F, num_experts=E)
+    elif fam.name == "qwen2_moe":
+        if shared != 1:
+            raise ValueError(f"model.num_shared_experts={shared}: Qwen2-MoE has exactly one gated shared expert")
+        kw = dict(num_experts=E, moe_intermediate_size=F, shared_expert_intermediate_size=shared_F,
+                  intermediate_size=dense_F or shared_F, decoder_sparse_step=1,
+                  mlp_only_layers=list(range(first_dense)))
+    else:
+        kw = dict(n_routed_experts=E, moe_intermediate_size=F, n_shared_experts=shared,
+                  intermediate_size=dense_F or 4 * D, first_k_dense_replace=first_dense, topk_method="greedy",
+                  routed_scaling_factor=1.0, n_group=None, topk_group=None,
+                  head_dim=_get(m, "hf_overrides", {}).get("qk_rope_head_dim", 64))
+    kw.update(dict(_get(m, "hf_overrides", {}) or {}))
+    return fam.config_class()(**common, **kw)
+
+
+def init_model(family: Family, config, seed: int) -> nn.Module:
+    """The family's causal LM with seeded random weights, float32, in eval mode."""
+    torch.manual_seed(seed)
+    model = family.model_class()(config).float()
+    return model.eval()
+
+
+def save_checkpoint(model: nn.Module, path, extra: Optional[dict] = None) -> Path:
+    """Writes config.json + model.safetensors (and ``occult.json`` with ``extra``)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    if extra is not None:
+        (path / "occult.json").write_text(json.dumps(extra, indent=2, sort_keys=True))
+    return path
+
+
+def load_checkpoint(family: Family, path) -> nn.Module:
+    """Loads a local checkpoint folder with safetensors only; a missing folder, missing
+    weights or tensors that do not fit the config are a :class:`CheckpointError` naming
+    the file and the tensor."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"model.path={path}: no config.json there")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise CheckpointError(f"model.path={path}: no *.safetensors file (other weight formats are not "
+                              "loaded: they would need unpickling)")
+    cls = family.model_class()
+    try:
+        model, info = cls.from_pretrained(path, local_files_only=True, use_safetensors=True,
+                                          output_loading_info=True, dtype=torch.float32)
+    except Exception as exc:  # transformers raises several types for a bad file
+        raise CheckpointError(f"model.path={path}: cannot load {[w.name for w in weights]}: {exc}") from exc
+    problems = []
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        found = info.get(kind) or []
+        if found:
+            problems.append(f"{kind.replace('_', ' ')}: {sorted(map(str, found))[:8]}")
+    if problems:
+        raise CheckpointError(f"model.path={path} ({', '.join(w.name for w in weights)}) does not fit "
+                              f"the {family.model_cls} config: " + "; ".join(problems))
+    return model.eval()
+
+
+def moe_blocks(model: nn.Module, family: Family) -> list:
+    """``(layer_idx, parent_layer, block)`` for every MoE block of the model."""
+    return [(i, layer, layer.mlp) for i, layer in enumerate(model.model.layers) if family.is_moe_block(layer.mlp)]
+
+
+def to_expert_parallel(model: nn.Module, family: Family, make_dispatcher: Callable[[int], object]) -> nn.Module:
+    """Replaces every MoE block by an :class:`EPMoEBlock` (in place); ``make_dispatcher(layer_idx)``
+    gives the layer's dispatcher (which carries its placement)."""
+    for layer_idx, layer, block in moe_blocks(model, family):
+        layer.mlp = EPMoEBlock(block, family, make_dispatcher(layer_idx), layer_idx)
+    return model
+
+
+def contiguous_placements(model: nn.Module, family: Family, world_size: int) -> dict:
+    return {i: Placement.contiguous(block.experts.gate_up_proj.shape[0], world_size)
+            for i, _, block in moe_blocks(model, family)}

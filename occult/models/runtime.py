@@ -1,0 +1,78 @@
+"""A model on one rank: building it for the configured system, and data-parallel
+gradient synchronisation for its replicated weights.
+
+Under expert parallelism each rank holds its own experts (their gradients arrive
+through the backward all-to-alls) and a replica of everything else (whose
+gradients are averaged over ranks). Both are scaled so that a step equals a
+step on the concatenated batch of all ranks.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..ep import GroupedExperts, Placement
+from ..validate import system_class, system_options
+from .build import hf_config, init_model, load_checkpoint, to_expert_parallel
+from .ep_block import EPMoEBlock
+from .families import family_of
+
+
+def is_expert_parallel(system: dict) -> bool:
+    """Whether a system swaps MoE blocks for expert-parallel ones (the reference does not)."""
+    return getattr(system_class(system), "expert_parallel", True)
+
+
+def base_model(cfg, vocab_size: int, checkpoint: Optional[str] = None) -> nn.Module:
+    """The full single-device model: from ``checkpoint`` (a local folder), or seeded random."""
+    fam = family_of(cfg.model.family)
+    if checkpoint:
+        return load_checkpoint(fam, checkpoint)
+    return init_model(fam, hf_config(cfg.model, vocab_size), cfg.seed)
+
+
+def make_rank_model(ctx, model: nn.Module, cfg, system: dict, placements: Optional[dict] = None) -> nn.Module:
+    """Turns the full model into this rank's model for ``system`` (in place)."""
+    if not is_expert_parallel(system):
+        return model
+    fam = family_of(cfg.model.family)
+    cls = system_class(system)
+    options = system_options(system)
+    E = cfg.model.num_experts
+
+    def dispatcher(layer_idx: int):
+        placement = (placements or {}).get(layer_idx) or Placement.contiguous(E, ctx.world_size)
+        return cls(ctx.ep, placement, **options)
+
+    return to_expert_parallel(model, fam, dispatcher)
+
+
+def expert_parameters(model: nn.Module) -> set:
+    """ids of the parameters that belong to this rank's routed experts."""
+    return {id(p) for m in model.modules() if isinstance(m, EPMoEBlock)
+            for p in m.experts.parameters()}
+
+
+def sync_gradients(ctx, model: nn.Module) -> None:
+    """Averages replicated weights' gradients over ranks (one all-reduce) and scales the
+    experts' by 1/P, so that the step is the step of the mean loss over all ranks."""
+    P = ctx.world_size
+    if P == 1:
+        return
+    experts = expert_parameters(model)
+    replicated = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in replicated]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=ctx.ep.group)
+    flat /= P
+    offset = 0
+    for p in replicated:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
+    for p in model.parameters():
+        if id(p) in experts and p.grad is not None:
+            p.grad /= P
