@@ -50,6 +50,34 @@ class TaskConf:
     backward: bool = True
     check_parity: bool = True           # compare with the reference before timing
     sync_collectives: bool = False      # barrier before each collective: a2a_time = transfer only
+    expert_parallel_only: bool = False  # the task needs a dispatcher (task=layer)
+    whole_model: bool = False           # the task runs a whole model (needs model.family)
+    prepare: str = ""                   # dotted path run in the launching process first (pre-training)
+    # whole-model tasks
+    batch_size: int = 4                 # sequences per rank
+    seq_len: int = 128
+    new_tokens: int = 16                # decode
+    corpus: str = "shakespeare"         # text the batches come from
+    split: str = "validation"
+    tokenizer_vocab: int = 4096
+    lr: float = 1e-3                    # train / pretrain / finetune
+    steps: int = 0                      # pretrain / finetune
+    balance_coef: float = 0.0           # load-balancing loss weight
+    eval_every: int = 0
+    save_routing: bool = False          # write routing.parquet (+ router logits) per run
+
+
+@dataclass
+class PretrainConf:
+    """How CPU proxies are pre-trained (the cached checkpoint every proxy task uses)."""
+    steps: int = 1500
+    lr: float = 3e-3
+    batch_size: int = 16
+    seq_len: int = 128
+    balance_coef: float = 0.1
+    tokenizer_vocab: int = 4096
+    corpus: str = "shakespeare"
+    eval_every: int = 250
 
 
 @dataclass
@@ -68,6 +96,7 @@ class RunConf:
     model: ModelConf = field(default_factory=ModelConf)
     task: TaskConf = field(default_factory=TaskConf)
     cluster: ClusterConf = field(default_factory=ClusterConf)
+    pretrain: PretrainConf = field(default_factory=PretrainConf)
     experiment_name: str = "adhoc"      # the results column "experiment"
     seed: int = 0
     resume: bool = True                 # skip a run whose results already exist

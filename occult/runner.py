@@ -48,7 +48,11 @@ def run(cfg: DictConfig, out_dir) -> Path | None:
     log.info("running system=%s model=%s task=%s on %d rank(s)", cfg.system.name, cfg.model.name,
              cfg.task.name, c.world_size)
     t0 = time.perf_counter()
-    per_rank = launch(entry, c.world_size, (OmegaConf.to_container(cfg, resolve=True),), seed=cfg.seed,
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    cfg_dict["out_dir_resolved"] = str(out_dir)
+    if cfg.task.get("prepare"):
+        cfg_dict = import_object(cfg.task.prepare)(cfg_dict)
+    per_rank = launch(entry, c.world_size, (cfg_dict,), seed=cfg.seed,
                       timeout_s=c.run_timeout_s, collective_timeout_s=c.collective_timeout_s,
                       threads=c.threads_per_rank, backend=c.backend)
     if per_rank is None or per_rank[0] is None:       # a non-zero torchrun rank: rank 0 writes

@@ -49,6 +49,12 @@ def system_class(system: dict):
     return cls
 
 
+def _models_with_family() -> list[str]:
+    import yaml
+    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")
+                  if (yaml.safe_load(p.read_text()) or {}).get("family"))
+
+
 def validate(cfg) -> list[str]:
     """Raises :class:`ConfigError` for impossible runs; returns warnings (also issued)."""
     m, t, c = cfg.model, cfg.task, cfg.cluster
@@ -73,6 +79,12 @@ def validate(cfg) -> list[str]:
         raise ConfigError(f"task.entry={t.entry!r} cannot be imported ({exc}); "
                           f"available tasks: {available('task')}") from exc
     cls = system_class(dict(cfg.system))
+    if t.get("expert_parallel_only", False) and not getattr(cls, "expert_parallel", True):
+        raise ConfigError(f"system={cfg.system.name} runs whole models only; task={t.name} needs an "
+                          "expert-parallel system")
+    if t.get("whole_model", False) and not m.get("family"):
+        raise ConfigError(f"task={t.name} runs a whole model; model={m.name} has no model.family "
+                          f"(a layer-only config). Models with a family: {_models_with_family()}")
     try:
         cls.check_config(num_experts=E, top_k=K, world_size=P)
     except ValueError as exc:

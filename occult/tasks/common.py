@@ -66,10 +66,11 @@ def routing_rows(ctx, rec: Recorder, placement: Placement) -> list:
     """C_T (all, remote), intra-collaboration ratio and rows per token, per rank and
     over all ranks (``rank=-1``, from an all-gather of every rank's top-k ids)."""
     out = []
-    per_rank = {}
-    for layer, ids, *_ in rec.routing:
-        per_rank[layer] = ids
-    for layer, ids in sorted(per_rank.items()):
+    per_layer: dict = {}
+    for layer, ids, *_ in rec.routing:          # several calls per layer (decode steps): concatenated
+        per_layer.setdefault(layer, []).append(ids)
+    for layer, pieces in sorted(per_layer.items()):
+        ids = torch.cat(pieces)
         gathered = [None] * ctx.world_size
         if ctx.world_size > 1:
             dist.all_gather_object(gathered, ids, group=ctx.ep.group)

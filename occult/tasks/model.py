@@ -1,0 +1,200 @@
+"""Whole-model tasks on every system: prefill, decode and train.
+
+Every rank serves its own sequences (the batch is per rank); under expert
+parallelism the MoE layers exchange tokens, everything else is replicated.
+Before timing, a short parity check compares the system's layer with the
+single-device reference (task.check_parity). Times are kept per rank and per
+sample; over-all-ranks figures (``rank=-1``) use the slowest rank.
+
+Shapes: B sequences per rank, S sequence length, V vocabulary, N new tokens.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as nnf
+from omegaconf import OmegaConf
+
+from ..data.batches import batch_iterator, eval_batches, token_ids
+from ..data.tokenizer import get_tokenizer
+from ..ep import Recorder
+from ..ep.accounting import recording
+from ..models.runtime import base_model, is_expert_parallel, make_rank_model, sync_gradients
+from ..records import row
+from .common import comm_rows, parity_gate, routing_rows, timing_rows
+
+
+def prepare(cfg_dict: dict) -> dict:
+    """In the launching process: the checkpoint every rank loads (pre-training a proxy
+    first when its cached checkpoint is missing)."""
+    cfg = OmegaConf.create(cfg_dict)
+    m = cfg.model
+    if m.path:
+        cfg_dict["checkpoint"] = str(m.path)
+    elif m.proxy and m.init == "trained":
+        from .pretrain import ensure_trained
+        cfg_dict["checkpoint"] = str(ensure_trained(cfg))
+    else:
+        cfg_dict["checkpoint"] = None
+    return cfg_dict
+
+
+def setup(ctx, cfg):
+    """This rank's model (eval mode), tokenizer and the parity rows."""
+    tok = get_tokenizer(cfg.task.tokenizer_vocab, corpus=cfg.pretrain.corpus)
+    vocab = cfg.model.vocab_size or tok.vocab_size
+    system = OmegaConf.to_container(cfg.system)
+    rows = []
+    if cfg.task.check_parity and is_expert_parallel(system):
+        rows += parity_gate(ctx, system, cfg.model.num_experts, cfg.model.top_k, "router")
+    model = make_rank_model(ctx, base_model(cfg, vocab, cfg.get("checkpoint")), cfg, system)
+    return model.eval(), tok, rows
+
+
+def rank_batch(ctx, cfg, tok, batch_size: int, seq_len: int, index: int = 0) -> torch.Tensor:
+    """Held-out sequences for this rank: eval windows, rank r takes its own block."""
+    ids_N = token_ids(cfg.task.corpus, cfg.task.split, tok)
+    need = (index * ctx.world_size + ctx.rank + 1) * batch_size
+    batches = eval_batches(ids_N, need, seq_len)
+    x_BS = next(batches)[0]
+    if x_BS.shape[0] < need:
+        raise ValueError(f"task.batch_size={batch_size} x {ctx.world_size} ranks x task.seq_len={seq_len} "
+                         f"needs more held-out text than the {cfg.task.split} split has")
+    return x_BS[need - batch_size:need]
+
+
+def slowest(ctx, seconds: float) -> float:
+    """The slowest rank's time (an all-reduce of the maximum)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    if ctx.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.ep.group)
+    return t.item()
+
+
+def _barrier(ctx) -> None:
+    if ctx.world_size > 1:
+        dist.barrier(group=ctx.ep.group)
+
+
+def _finish(ctx, cfg, rec: Recorder, rows: list) -> list:
+    """The last timed iteration's collectives and routing (and the trace, when asked)."""
+    rows += comm_rows(rec) + routing_rows(ctx, rec, _placement(cfg, ctx))
+    if cfg.task.save_routing:
+        from .traces import write_trace
+        write_trace(ctx, rec, Path(cfg.get("out_dir_resolved") or "."))
+    return rows
+
+
+def _placement(cfg, ctx):
+    from ..ep import Placement
+    return Placement.contiguous(cfg.model.num_experts, ctx.world_size)
+
+
+def prefill_rank(ctx, cfg_dict: dict) -> list:
+    """task=prefill: one forward over B prompts of S tokens; time to first token."""
+    cfg = OmegaConf.create(cfg_dict)
+    t = cfg.task
+    model, tok, rows = setup(ctx, cfg)
+    x_BS = rank_batch(ctx, cfg, tok, t.batch_size, t.seq_len)
+    rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives)
+    for it in range(t.warmup + t.iters):
+        rec.clear()
+        _barrier(ctx)
+        t0 = time.perf_counter()
+        with torch.no_grad(), recording(rec):
+            logits = model(input_ids=x_BS, use_cache=False).logits
+            logits[:, -1].argmax(-1)
+        took = time.perf_counter() - t0
+        worst = slowest(ctx, took)
+        sample = it - t.warmup
+        if sample < 0:
+            continue
+        rows += timing_rows(rec, sample)
+        rows.append(row("time", took * 1e3, "ms", rank=ctx.rank, phase="prefill", direction="forward",
+                        sample=sample))
+        if ctx.rank == 0:
+            rows.append(row("ttft", worst * 1e3, "ms", phase="prefill", sample=sample))
+            rows.append(row("tokens_per_s", t.batch_size * t.seq_len * ctx.world_size / worst, "tokens/s",
+                            phase="prefill", sample=sample))
+    return _finish(ctx, cfg, rec, rows)
+
+
+def decode_rank(ctx, cfg_dict: dict) -> list:
+    """task=decode: greedy generation of N tokens with a KV cache after a prompt."""
+    cfg = OmegaConf.create(cfg_dict)
+    t = cfg.task
+    model, tok, rows = setup(ctx, cfg)
+    x_BS = rank_batch(ctx, cfg, tok, t.batch_size, t.seq_len)
+    rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives)
+    for it in range(t.warmup + t.iters):
+        rec.clear()
+        _barrier(ctx)
+        steps = []
+        with torch.no_grad(), recording(rec):
+            t0 = time.perf_counter()
+            out = model(input_ids=x_BS, use_cache=True)
+            ttft = time.perf_counter() - t0
+            cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(t.new_tokens):
+                ts = time.perf_counter()
+                out = model(input_ids=nxt, cache=cache, use_cache=True)
+                cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+                steps.append(time.perf_counter() - ts)
+        sample = it - t.warmup
+        worst = torch.tensor(steps + [ttft], dtype=torch.float64)
+        if ctx.world_size > 1:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=ctx.ep.group)
+        if sample < 0:
+            continue
+        rows += timing_rows(rec, sample)
+        # one sample per generated token: sample = iteration * N + step
+        rows += [row("time", s * 1e3, "ms", rank=ctx.rank, phase="decode_step", sample=sample * t.new_tokens + k)
+                 for k, s in enumerate(steps)]
+        if ctx.rank == 0:
+            per_token = worst[:-1]
+            rows += [row("token_latency", s * 1e3, "ms", phase="decode", sample=sample * t.new_tokens + k)
+                     for k, s in enumerate(per_token.tolist())]
+            rows.append(row("ttft", worst[-1].item() * 1e3, "ms", phase="decode", sample=sample))
+            rows.append(row("tokens_per_s", t.batch_size * ctx.world_size * t.new_tokens / per_token.sum().item(),
+                            "tokens/s", phase="decode", sample=sample))
+    return _finish(ctx, cfg, rec, rows)
+
+
+def train_rank(ctx, cfg_dict: dict) -> list:
+    """task=train: forward, backward, gradient synchronisation and an AdamW step."""
+    cfg = OmegaConf.create(cfg_dict)
+    t = cfg.task
+    model, tok, rows = setup(ctx, cfg)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr)
+    ids_N = token_ids(t.corpus, "train", tok)
+    batches = batch_iterator(ids_N, t.batch_size, t.seq_len, seed=cfg.seed * 1000 + ctx.rank)
+    rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives)
+    for it in range(t.warmup + t.iters):
+        x_BS, y_BS = next(batches)
+        rec.clear()
+        _barrier(ctx)
+        t0 = time.perf_counter()
+        with recording(rec):
+            logits = model(input_ids=x_BS).logits
+            loss = nnf.cross_entropy(logits.flatten(0, 1), y_BS.flatten())
+            loss.backward()
+        sync_gradients(ctx, model)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        took = time.perf_counter() - t0
+        worst = slowest(ctx, took)
+        sample = it - t.warmup
+        if sample < 0:
+            continue
+        rows += timing_rows(rec, sample)
+        rows.append(row("time", took * 1e3, "ms", rank=ctx.rank, phase="train_step", sample=sample))
+        rows.append(row("loss", loss.item(), "nats/token", rank=ctx.rank, sample=sample))
+        if ctx.rank == 0:
+            rows.append(row("step_time", worst * 1e3, "ms", phase="train", sample=sample))
+            rows.append(row("tokens_per_s", t.batch_size * t.seq_len * ctx.world_size / worst, "tokens/s",
+                            phase="train", sample=sample))
+    return _finish(ctx, cfg, rec, rows)

@@ -1,0 +1,195 @@
+"""task=pretrain: train a CPU proxy on Shakespeare so that its routing is a trained
+router's, then cache the checkpoint for every later task.
+
+Tiny MoE models trained briefly collapse their routers (many experts never
+chosen); a load-balancing loss (Switch-style: E * sum_e f_e * p_e per MoE layer)
+keeps every expert in use. The run reports, per MoE layer on held-out text, the
+experts never chosen and the busiest expert's load over the mean.
+
+Shapes: B batch, S sequence, V vocabulary, T tokens, E experts, K top-k.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as nnf
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from ..data.batches import batch_iterator, eval_batches, token_ids, unigram_loss
+from ..data.tokenizer import get_tokenizer
+from ..models.build import hf_config, init_model, moe_blocks, save_checkpoint
+from ..models.families import family_of
+from ..records import row
+
+PRETRAIN_VERSION = 1
+ROOT = Path(__file__).resolve().parents[2]
+ARCH_FIELDS = ("family", "num_experts", "top_k", "hidden_size", "expert_ffn_size", "norm_topk_prob",
+               "num_layers", "num_heads", "num_shared_experts", "shared_expert_ffn_size", "dense_ffn_size",
+               "first_k_dense", "max_position", "hf_overrides")
+TRAIN_FIELDS = ("steps", "lr", "batch_size", "seq_len", "balance_coef", "tokenizer_vocab", "corpus")
+
+
+def proxy_dir(cfg) -> Path:
+    """Where the proxy trained with these settings is cached (a hash of them names it)."""
+    m, t = OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.pretrain, resolve=True)
+    key = json.dumps({"arch": {k: m.get(k) for k in ARCH_FIELDS}, "train": {k: t.get(k) for k in TRAIN_FIELDS},
+                      "seed": cfg.seed, "version": PRETRAIN_VERSION}, sort_keys=True)
+    return ROOT / "runs" / "cache" / "proxies" / f"{m['name']}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+class RouterTap:
+    """Forward hooks on every MoE block's router: keeps (logits_TE, topk_ids_TK) per call."""
+
+    def __init__(self, model, family):
+        self.calls = []
+        self.handles = [block.gate.register_forward_hook(self._hook) for _, _, block in moe_blocks(model, family)]
+
+    def _hook(self, module, inputs, output):
+        self.calls.append((output[0], output[2]))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def balance_loss(calls, num_experts: int) -> torch.Tensor:
+    """Mean over MoE layers of E * sum_e f_e * p_e (f: share of top-k picks, p: mean router prob)."""
+    losses = []
+    for logits_TE, ids_TK in calls:
+        probs_TE = torch.softmax(logits_TE.float(), dim=-1)
+        f_E = torch.bincount(ids_TK.flatten(), minlength=num_experts).float() / ids_TK.numel()
+        losses.append(num_experts * (f_E * probs_TE.mean(0)).sum())
+    return torch.stack(losses).mean()
+
+
+@torch.no_grad()
+def evaluate(model, ids_N: torch.Tensor, batch_size: int, seq_len: int, max_batches: int = 0,
+             tap: RouterTap | None = None) -> dict:
+    """Held-out loss (nats/token), perplexity and next-token accuracy over eval windows."""
+    was_training = model.training
+    model.eval()
+    total, correct, n = 0.0, 0, 0
+    for i, (x_BS, y_BS) in enumerate(eval_batches(ids_N, batch_size, seq_len)):
+        if max_batches and i >= max_batches:
+            break
+        logits = model(input_ids=x_BS).logits
+        total += nnf.cross_entropy(logits.flatten(0, 1), y_BS.flatten(), reduction="sum").item()
+        correct += (logits.argmax(-1) == y_BS).sum().item()
+        n += y_BS.numel()
+    model.train(was_training)
+    loss = total / max(n, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "accuracy": correct / max(n, 1), "tokens": n}
+
+
+def expert_load(model, family, ids_N, batch_size: int, seq_len: int, max_batches: int) -> list:
+    """Per MoE layer on held-out text: (layer, experts never chosen, busiest load / mean load)."""
+    tap = RouterTap(model, family)
+    evaluate(model, ids_N, batch_size, seq_len, max_batches)
+    tap.remove()
+    layers = [i for i, _, _ in moe_blocks(model, family)]
+    E = moe_blocks(model, family)[0][2].gate.weight.shape[0]
+    counts = {i: torch.zeros(E) for i in layers}
+    for j, (_, ids_TK) in enumerate(tap.calls):
+        counts[layers[j % len(layers)]] += torch.bincount(ids_TK.flatten(), minlength=E).float()
+    return [(i, int((c == 0).sum()), float(c.max() / c.mean())) for i, c in counts.items()]
+
+
+def pretrain(cfg, out_dir: Path, progress: bool = True) -> dict:
+    """Trains the proxy of ``cfg.model`` with ``cfg.pretrain``; writes the checkpoint,
+    metrics (occult.json) and loss curve into ``out_dir``; returns the metrics."""
+    m, t = cfg.model, cfg.pretrain
+    fam = family_of(m.family)
+    tok = get_tokenizer(t.tokenizer_vocab, corpus=t.corpus)
+    train_ids, val_ids = token_ids(t.corpus, "train", tok), token_ids(t.corpus, "validation", tok)
+    model = init_model(fam, hf_config(m, tok.vocab_size), cfg.seed).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warm = max(1, t.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, t.steps) / t.steps))))
+    tap = RouterTap(model, fam)
+    curve, t0 = [], time.perf_counter()
+    bar = tqdm(batch_iterator(train_ids, t.batch_size, t.seq_len, cfg.seed, t.steps), total=t.steps,
+               desc=f"pretrain {m.name}", disable=not progress, mininterval=2.0)
+    for step, (x_BS, y_BS) in enumerate(bar):
+        tap.calls.clear()
+        logits = model(input_ids=x_BS).logits
+        lm = nnf.cross_entropy(logits.flatten(0, 1), y_BS.flatten())
+        bal = balance_loss(tap.calls, m.num_experts)
+        (lm + t.balance_coef * bal).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        point = {"step": step + 1, "train_loss": lm.item(), "balance_loss": bal.item()}
+        if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+            point["val_loss"] = evaluate(model, val_ids, 16, t.seq_len, max_batches=8)["loss"]
+        curve.append(point)
+        bar.set_postfix(loss=f"{lm.item():.3f}", bal=f"{bal.item():.2f}")
+    tap.remove()
+    wall = time.perf_counter() - t0
+    held_out = evaluate(model, val_ids, 16, t.seq_len)
+    loads = expert_load(model, fam, val_ids, 16, t.seq_len, max_batches=0)
+    metrics = {"model": m.name, "steps": t.steps, "wall_s": wall, "val": held_out,
+               "unigram_val_loss": unigram_loss(train_ids, val_ids, tok.vocab_size),
+               "parameters": sum(p.numel() for p in model.parameters()), "vocab_size": tok.vocab_size,
+               "expert_load": [{"layer": i, "never_chosen": z, "max_over_mean": r} for i, z, r in loads],
+               "curve": curve}
+    save_checkpoint(model.eval(), out_dir, metrics)
+    _plot_curve(curve, out_dir / "loss_curve.png", m.name)
+    return metrics
+
+
+def _plot_curve(curve: list, path: Path, name: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot([p["step"] for p in curve], [p["train_loss"] for p in curve], label="train", lw=0.8)
+    ev = [p for p in curve if "val_loss" in p]
+    if ev:
+        ax.plot([p["step"] for p in ev], [p["val_loss"] for p in ev], "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(f"pre-training {name}")
+    ax.legend()
+    fig.savefig(path, bbox_inches="tight", dpi=120)
+    plt.close(fig)
+
+
+def ensure_trained(cfg, progress: bool = True) -> Path:
+    """The cached trained proxy of ``cfg.model`` (pre-trains it first when missing)."""
+    out = proxy_dir(cfg)
+    if (out / "model.safetensors").is_file():
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    pretrain(cfg, tmp, progress)
+    tmp.rename(out)
+    return out
+
+
+def run_rank(ctx, cfg_dict: dict) -> list:
+    """task=pretrain (one process): trains (or finds) the proxy; rows with its figures."""
+    cfg = OmegaConf.create(cfg_dict)
+    if ctx.world_size != 1:
+        raise ValueError(f"task=pretrain trains on one process; use cluster=cpu1 (got world size {ctx.world_size})")
+    path = ensure_trained(cfg)
+    metrics = json.loads((path / "occult.json").read_text())
+    rows = [row("val_loss", metrics["val"]["loss"], "nats/token", rank=0),
+            row("val_perplexity", metrics["val"]["perplexity"], "ratio", rank=0),
+            row("val_accuracy", metrics["val"]["accuracy"], "ratio", rank=0),
+            row("unigram_val_loss", metrics["unigram_val_loss"], "nats/token", rank=0),
+            row("wall_time", metrics["wall_s"], "s", rank=0),
+            row("parameters", metrics["parameters"], "params", rank=0)]
+    for ld in metrics["expert_load"]:
+        rows.append(row("experts_never_chosen", ld["never_chosen"], "experts", layer=ld["layer"], rank=0))
+        rows.append(row("expert_load_max_over_mean", ld["max_over_mean"], "ratio", layer=ld["layer"], rank=0))
+    for p in metrics["curve"]:
+        rows.append(row("train_loss", p["train_loss"], "nats/token", rank=0, sample=p["step"]))
+    print(f"proxy checkpoint: {path}", flush=True)
+    return rows

@@ -1,0 +1,42 @@
+"""Whole-model tasks end to end (run.py in a subprocess, random-init proxies, tiny shapes),
+and routing traces that reproduce a run's C_T."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from occult.ep import Placement, ct_all
+from occult.tasks.traces import load_trace, trace_topk
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16", "model.num_layers=2",
+        "task.batch_size=2", "task.seq_len=16", "task.new_tokens=3", "task.warmup=0", "task.iters=1"]
+
+
+def run_py(*args):
+    proc = subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_tasks_write_their_figures_and_traces(tmp_path):
+    sweep = tmp_path / "sweep"
+    run_py("-m", "system=occult", "model=olmoe_proxy", "task=prefill,decode,train", "cluster=cpu2",
+           "task.save_routing=true", *TINY, f"hydra.sweep.dir={sweep}")
+    runs = {p.parent.name: p.parent for p in sweep.rglob("results.parquet")}
+    assert len(runs) == 3
+    expected = {"prefill": {"ttft", "tokens_per_s"}, "decode": {"token_latency", "ttft", "tokens_per_s"},
+                "train": {"step_time", "tokens_per_s", "loss"}}
+    for run_dir in runs.values():
+        df = pd.read_parquet(run_dir / "results.parquet")
+        task = df.task.iloc[0]
+        assert expected[task] <= set(df.metric), task
+        # the routing trace reproduces the run's reported C_T, layer by layer
+        trace, logits = load_trace(run_dir)
+        for layer in sorted(trace.layer.unique()):
+            ids, _ = trace_topk(trace, layer)
+            reported = df[(df.metric == "ct_all") & (df["rank"] == -1) & (df.layer == layer)].value.item()
+            assert ct_all(ids, Placement.contiguous(64, 2)) == pytest.approx(reported, abs=1e-12)
+            assert logits[layer].shape == (ids.shape[0], 64)
