@@ -55,7 +55,7 @@ def bench_rank(ctx, cfgs: list) -> list:
         for cfg_dict in group:
             cfg = OmegaConf.create(cfg_dict)
             parity_gate(ctx, cfg_dict["system"], cfg.model.num_experts, cfg.model.top_k, "uniform", placement)
-            layers.append(build_layer(ctx, cfg, placement))
+            layers.append(build_layer(ctx, cfg))
             recs.append(Recorder(rank=ctx.rank, sync_collectives=True))
         x_TD, ids_TK, grad_TD = make_inputs(ctx, first)
         rows = {i: [] for i in range(len(group))}

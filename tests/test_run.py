@@ -69,7 +69,8 @@ def test_uniform_ct_and_naive_rows_per_token():
     assert abs(ct - 3.659) / 3.659 < 0.02
     rpt = glob[(glob.metric == "rows_per_token") & (glob.phase == "dispatch") & (glob["pass"] == "forward")]
     assert rpt.value.item() == 8.0
-    parity = df[df.metric.str.startswith("parity_")]
+    assert (df[df.metric == "parity_checked"].value == 1).sum() == 4
+    parity = df[df.metric.str.startswith("parity_") & (df.metric != "parity_checked")]
     assert len(parity) == 4 * 6 and (parity.value <= 1e-9).all()
 
 

@@ -49,6 +49,7 @@ class Recorder:
     comm: list = field(default_factory=list)
     spans: list = field(default_factory=list)     # (layer, name, direction, seconds)
     routing: list = field(default_factory=list)   # (layer, topk_ids_TK, weights_TK, logits_TE)
+    counters: list = field(default_factory=list)  # (layer, name, value), from Dispatcher.stats
 
     def log_collective(self, *, layer: int, phase: str, direction: str, rows_P, row_bytes: int,
                        seconds: float, wait_seconds: float = 0.0) -> None:
@@ -64,6 +65,9 @@ class Recorder:
         finally:
             self.spans.append((layer, name, direction, time.perf_counter() - t0))
 
+    def log_counter(self, layer: int, name: str, value: float) -> None:
+        self.counters.append((layer, name, float(value)))
+
     def log_routing(self, layer: int, topk_ids_TK: torch.Tensor, topk_weights_TK=None, logits_TE=None) -> None:
         """Keeps the layer's top-k ids (and, when given, gate weights and router logits)."""
         keep = lambda t: None if t is None else t.detach().clone()
@@ -73,6 +77,7 @@ class Recorder:
         self.comm.clear()
         self.spans.clear()
         self.routing.clear()
+        self.counters.clear()
 
 
 _ACTIVE: ContextVar = ContextVar("occult_recorder", default=None)

@@ -51,10 +51,25 @@ class Dispatcher(ABC):
         self.ep = ep
         self.placement = placement
 
-    def routing_transform(self) -> Optional[RoutingTransform]:
-        """A routing transform this system applies after the router (e.g. collaboration
-        pruning), or None. The MoE layer calls it between routing and dispatch."""
+    def routing_transform(self, layer: int) -> Optional[RoutingTransform]:
+        """A routing transform this system applies after layer ``layer``'s router (e.g.
+        collaboration pruning), or None. Called between routing and dispatch."""
         return None
+
+    def stats(self, handle: Any) -> dict:
+        """Counters of one dispatch (e.g. dropped pairs, padding rows): name -> int."""
+        return {}
+
+    @classmethod
+    def layer_placement(cls, layer: int, num_experts: int, world_size: int, **options) -> Placement:
+        """The placement of MoE layer ``layer`` (contiguous unless a system says otherwise,
+        e.g. from a placement artifact named in its options)."""
+        return Placement.contiguous(num_experts, world_size)
+
+    @classmethod
+    def is_exact(cls, **options) -> bool:
+        """Whether the system with these options returns exactly top-k MoE."""
+        return cls.exact
 
     @property
     def local_expert_ids(self) -> torch.Tensor:

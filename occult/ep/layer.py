@@ -55,7 +55,7 @@ def routed_experts(x_TD: torch.Tensor, probs_TE: torch.Tensor, topk_ids_TK: torc
     """The routed part of every EP MoE layer, after the router:
     routing transform -> dispatch -> grouped experts -> combine: [T, D] -> [T, D]."""
     rec, li = recorder, layer_idx
-    transform = transform or dispatcher.routing_transform()
+    transform = transform or dispatcher.routing_transform(layer_idx)
     if transform is not None:
         with span(rec, li, "route"):
             topk_ids_TK, topk_weights_TK = transform(probs_TE, topk_ids_TK, topk_weights_TK,
@@ -65,6 +65,9 @@ def routed_experts(x_TD: torch.Tensor, probs_TE: torch.Tensor, topk_ids_TK: torc
     with span(rec, li, "dispatch"):
         routed_RD, counts_e, handle = dispatcher.dispatch(x_TD, topk_ids_TK, topk_weights_TK, layer=li,
                                                           recorder=rec)
+    if rec is not None:
+        for name, value in dispatcher.stats(handle).items():
+            rec.log_counter(li, name, value)
     with span(rec, li, "experts"):
         y_RD = experts(routed_RD, counts_e)
     with span(rec, li, "combine"):

@@ -44,7 +44,7 @@ def make_rank_model(ctx, model: nn.Module, cfg, system: dict, placements: Option
     E = cfg.model.num_experts
 
     def dispatcher(layer_idx: int):
-        placement = (placements or {}).get(layer_idx) or Placement.contiguous(E, ctx.world_size)
+        placement = (placements or {}).get(layer_idx) or cls.layer_placement(layer_idx, E, ctx.world_size, **options)
         return cls(ctx.ep, placement, **options)
 
     return to_expert_parallel(model, fam, dispatcher)

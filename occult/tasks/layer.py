@@ -33,10 +33,10 @@ def expert_weights(expert_ids, hidden: int, ffn: int, seed: int, dtype) -> Group
     return GroupedExperts(stack(gates, (hidden, ffn)), stack(ups, (hidden, ffn)), stack(downs, (ffn, hidden)))
 
 
-def build_layer(ctx, cfg, placement: Placement) -> MoELayer:
+def build_layer(ctx, cfg) -> MoELayer:
     m = cfg.model
     dtype = getattr(torch, m.dtype)
-    dispatcher = build_dispatcher(ctx, OmegaConf.to_container(cfg.system), placement)
+    dispatcher = build_dispatcher(ctx, OmegaConf.to_container(cfg.system), 0, m.num_experts)
     g = torch.Generator().manual_seed(cfg.seed)
     router = TopKRouter((torch.randn(m.num_experts, m.hidden_size, generator=g) / m.hidden_size ** 0.5)
                         .to(dtype), m.top_k, m.norm_topk_prob)
@@ -62,12 +62,12 @@ def run_rank(ctx, cfg_dict: dict) -> list:
     """One rank's part of task=layer; returns its result rows."""
     cfg = OmegaConf.create(cfg_dict)
     m, t = cfg.model, cfg.task
-    placement = Placement.contiguous(m.num_experts, ctx.world_size)
     rows = []
+    layer = build_layer(ctx, cfg)
+    placement = layer.dispatcher.placement
     if t.check_parity:
         rows += parity_gate(ctx, OmegaConf.to_container(cfg.system), m.num_experts, m.top_k, t.routing,
                             placement)
-    layer = build_layer(ctx, cfg, placement)
     x_TD, ids_TK, grad_TD = make_inputs(ctx, cfg)
     rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives)
     for it in range(t.warmup + t.iters):

@@ -79,18 +79,22 @@ def _barrier(ctx) -> None:
         dist.barrier(group=ctx.ep.group)
 
 
-def _finish(ctx, cfg, rec: Recorder, rows: list) -> list:
+def _finish(ctx, cfg, rec: Recorder, rows: list, model) -> list:
     """The last timed iteration's collectives and routing (and the trace, when asked)."""
-    rows += comm_rows(rec) + routing_rows(ctx, rec, _placement(cfg, ctx))
+    rows += comm_rows(rec) + routing_rows(ctx, rec, _placements(cfg, ctx, model))
     if cfg.task.save_routing:
         from .traces import write_trace
         write_trace(ctx, rec, Path(cfg.get("out_dir_resolved") or "."))
     return rows
 
 
-def _placement(cfg, ctx):
+def _placements(cfg, ctx, model) -> dict:
+    """{layer: placement} of the model's EP blocks (contiguous for a model without them)."""
     from ..ep import Placement
-    return Placement.contiguous(cfg.model.num_experts, ctx.world_size)
+    from ..models.ep_block import EPMoEBlock
+    found = {m.layer_idx: m.dispatcher.placement for m in model.modules() if isinstance(m, EPMoEBlock)}
+    contiguous = Placement.contiguous(cfg.model.num_experts, ctx.world_size)
+    return {layer: found.get(layer, contiguous) for layer in range(cfg.model.num_layers)}
 
 
 def prefill_rank(ctx, cfg_dict: dict) -> list:
@@ -119,7 +123,7 @@ def prefill_rank(ctx, cfg_dict: dict) -> list:
             rows.append(row("ttft", worst * 1e3, "ms", phase="prefill", sample=sample))
             rows.append(row("tokens_per_s", t.batch_size * t.seq_len * ctx.world_size / worst, "tokens/s",
                             phase="prefill", sample=sample))
-    return _finish(ctx, cfg, rec, rows)
+    return _finish(ctx, cfg, rec, rows, model)
 
 
 def decode_rank(ctx, cfg_dict: dict) -> list:
@@ -160,7 +164,7 @@ def decode_rank(ctx, cfg_dict: dict) -> list:
             rows.append(row("ttft", worst[-1].item() * 1e3, "ms", phase="decode", sample=sample))
             rows.append(row("tokens_per_s", t.batch_size * ctx.world_size * t.new_tokens / per_token.sum().item(),
                             "tokens/s", phase="decode", sample=sample))
-    return _finish(ctx, cfg, rec, rows)
+    return _finish(ctx, cfg, rec, rows, model)
 
 
 def train_rank(ctx, cfg_dict: dict) -> list:
@@ -197,4 +201,4 @@ def train_rank(ctx, cfg_dict: dict) -> list:
             rows.append(row("step_time", worst * 1e3, "ms", phase="train", sample=sample))
             rows.append(row("tokens_per_s", t.batch_size * t.seq_len * ctx.world_size / worst, "tokens/s",
                             phase="train", sample=sample))
-    return _finish(ctx, cfg, rec, rows)
+    return _finish(ctx, cfg, rec, rows, model)

@@ -1,0 +1,150 @@
+"""Tutel's capacity scheme and MegaBlocks' block padding against hand computation.
+
+Tutel: which pairs a small capacity drops (and that the output is the reference
+MoE without exactly those pairs), equal splits of e*C rows per peer whatever
+the load, padding = P*e*C - kept rows, and cf=0 exact. MegaBlocks: block
+padding of the received rows, exact. One world (P=2) runs every case.
+"""
+import pytest
+import torch
+
+from occult.dist import launch
+from occult.ep import Placement, TopKRouter, reference_moe
+from occult.parity import LayerCase, make_problem
+
+from capacity_helpers import calls_and_grid
+
+TUTEL = "baselines.tutel.TutelDispatcher"
+MEGA = "baselines.megablocks.MegaBlocksDispatcher"
+P, E, K = 2, 4, 2    # e = 2: experts 0, 1 on rank 0 and 2, 3 on rank 1
+RANK0 = ((0, 1), (0, 2), (1, 0), (0, 3), (2, 0), (3, 2), (1, 3), (2, 1))
+RANK1 = ((0, 1), (2, 0), (0, 3))
+HAND = LayerCase(E, K, (8, 3), routing="explicit", explicit_ids=sum(RANK0 + RANK1, ()), hidden=16)
+# cf = 0.5: C = K * int(0.5 * ceil(8 / 4)) = 2 slots per (rank, expert) (T = the larger
+# rank's 8 tokens). Tutel's priority: every first choice (k=0) in token order, then
+# every second choice. Queues on rank 0 (token, k):
+#   expert 0: (0,0) (1,0) (3,0) (2,1) (4,1)  -> drops (3,0) (2,1) (4,1)
+#   expert 1: (2,0) (6,0) (0,1) (7,1)        -> drops (0,1) (7,1)
+#   expert 2: (4,0) (7,0) (1,1) (5,1)        -> drops (1,1) (5,1)
+#   expert 3: (5,0) (3,1) (6,1)              -> drops (6,1)
+# rank 1, expert 0: (0,0) (2,0) (1,1)         -> drops (1,1) (token order would drop (2,0))
+DROPPED = {0: {(3, 0), (2, 1), (4, 1), (0, 1), (7, 1), (1, 1), (5, 1), (6, 1)}, 1: {(1, 1)}}
+KEPT = {0: 16 - 8, 1: 6 - 1}
+
+CALLS = {
+    "cf0.5": (TUTEL, {"capacity_factor": 0.5}, HAND),
+    "cf-0.5": (TUTEL, {"capacity_factor": -0.5}, HAND),   # capped dropless: min(5, 2) = 2, as cf=0.5
+    "cf2": (TUTEL, {"capacity_factor": 2.0}, HAND),        # C = 2 * int(2 * 2) = 8: nothing dropped
+    "cf0": (TUTEL, {"capacity_factor": 0}, HAND),          # dropless: C = 5 (rank 0, expert 0)
+    "mega_b4": (MEGA, {"block_size": 4}, HAND),
+}
+GRID = [(TUTEL, {"capacity_factor": 0}, LayerCase(8, 3, (7, 0), routing="router", renormalize=True, seed=1), None),
+        (TUTEL, {"capacity_factor": 0}, LayerCase(8, 4, (6, 6), routing="one_device", seed=2), None),
+        (TUTEL, {"capacity_factor": 3.0}, LayerCase(8, 2, (5, 9), seed=3), None),
+        (MEGA, {"block_size": 4}, LayerCase(8, 3, (7, 0), routing="router", renormalize=True, seed=1), None),
+        (MEGA, {"block_size": 3}, LayerCase(8, 2, (5, 9), seed=3), None)]
+
+
+@pytest.fixture(scope="module")
+def world():
+    per_rank = launch(calls_and_grid, P, (list(CALLS.values()), GRID), timeout_s=90)
+    return {"calls": [{name: r["calls"][i] for i, name in enumerate(CALLS)} for r in per_rank],
+            "grid": [r["grid"] for r in per_rank]}
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() if b.numel() else 0.0
+
+
+def expected(dropped: dict):
+    """The reference MoE on the whole HAND problem with the dropped pairs' gate weights zeroed:
+    output, input gradient and router gradient."""
+    prob = make_problem(HAND, Placement.contiguous(E, P))
+    router = TopKRouter(prob.router_ED.clone(), K, HAND.renormalize)
+    x_TD = prob.x_TD.clone().requires_grad_(True)
+    _, ids_TK, w_TK = router(x_TD, prob.ids_TK)
+    keep_TK = torch.ones_like(w_TK)
+    for rank, pairs in dropped.items():
+        lo = sum(HAND.tokens[:rank])
+        for t, k in pairs:
+            keep_TK[lo + t, k] = 0.0
+    out_TD = reference_moe(x_TD, ids_TK, w_TK * keep_TK, prob.experts)
+    (out_TD * prob.grad_TD).sum().backward()
+    return out_TD.detach(), x_TD.grad, router.weight.grad
+
+
+def check_against(world, name, dropped):
+    out, grad_x, grad_router = expected(dropped)
+    for rank in range(P):
+        res, lo = world["calls"][rank][name], sum(HAND.tokens[:rank])
+        hi = lo + HAND.tokens[rank]
+        assert rel(res["out"], out[lo:hi]) <= 1e-12, (name, rank)
+        # gradients pass through the router's float32 softmax: float32 rounding
+        assert rel(res["grad_x"], grad_x[lo:hi]) <= 1e-6, (name, rank)
+        assert rel(res["grad_router"], grad_router) <= 1e-6, (name, rank)
+
+
+@pytest.mark.timeout(120)
+def test_small_capacity_drops_the_hand_computed_pairs(world):
+    for name in ("cf0.5", "cf-0.5"):
+        for rank in range(P):
+            res = world["calls"][rank][name]
+            assert res["stats"]["dropped_pairs"] == len(DROPPED[rank]), (name, rank)
+            assert res["stats"]["padding_rows"] == P * 2 * 2 - KEPT[rank], (name, rank)
+        check_against(world, name, DROPPED)
+    # dropping changes the result: the full reference is not what cf=0.5 returns
+    out_full = expected({})[0]
+    assert rel(world["calls"][0]["cf0.5"]["out"], out_full[:8]) > 1e-3
+
+
+@pytest.mark.timeout(120)
+def test_equal_splits_and_padding(world):
+    e = E // P
+    for name, C in (("cf0.5", 2), ("cf-0.5", 2), ("cf2", 8), ("cf0", 5)):
+        for rank in range(P):
+            res = world["calls"][rank][name]
+            for key in (("dispatch", "forward"), ("combine", "forward"),
+                        ("dispatch", "backward"), ("combine", "backward")):
+                assert res["rows"][key] == (e * C,) * P, (name, rank, key)   # whatever the load
+            assert res["rows"][("counts", "forward")] == (1,) * P
+            assert res["counts_e"] == [P * C] * e                         # experts see the padding too
+            kept = KEPT[rank] if C == 2 else K * HAND.tokens[rank]
+            assert res["stats"]["padding_rows"] == P * e * C - kept, (name, rank)
+
+
+@pytest.mark.timeout(120)
+def test_dropless_tutel_is_exact(world):
+    for name in ("cf0", "cf2"):
+        for rank in range(P):
+            assert world["calls"][rank][name]["stats"]["dropped_pairs"] == 0
+        check_against(world, name, {})
+    for rank, per_rank in enumerate(world["grid"]):
+        for (cls, options, case, _), res in zip(GRID, per_rank):
+            assert all(v <= 1e-9 for v in res["errors"].values()), (cls, options, case, rank, res["errors"])
+
+
+@pytest.mark.timeout(120)
+def test_megablocks_block_padding(world):
+    # received rows per local expert: rank 0 gets 5+3 for expert 0 and 4+1 for expert 1,
+    # rank 1 gets 4+1 for expert 2 and 3+1 for expert 3; padded to multiples of 4
+    for rank, counts, padding in ((0, [8, 8], 3), (1, [8, 4], 3)):
+        res = world["calls"][rank]["mega_b4"]
+        assert res["counts_e"] == counts
+        assert res["stats"] == {"dropped_pairs": 0, "padding_rows": padding}
+    # the padding is computed, never sent: one row per (token, expert), as naive EP
+    assert world["calls"][0]["mega_b4"]["rows"][("dispatch", "forward")] == (9, 7)
+    assert world["calls"][1]["mega_b4"]["rows"][("dispatch", "forward")] == (4, 2)
+    check_against(world, "mega_b4", {})
+
+
+def test_bad_options_name_the_field():
+    from baselines.megablocks import MegaBlocksDispatcher
+    from baselines.tutel import TutelDispatcher
+    from occult.ep import EPGroup
+    placement = Placement.contiguous(4, 1)
+    bad = [(TutelDispatcher, {"capacity_factor": "1.0"}, "system.capacity_factor"),
+           (TutelDispatcher, {"capacity_factor": float("nan")}, "system.capacity_factor"),
+           (MegaBlocksDispatcher, {"block_size": -1}, "system.block_size")]
+    for cls, options, field in bad:
+        with pytest.raises(ValueError, match=field):
+            cls(EPGroup(), placement, **options)
