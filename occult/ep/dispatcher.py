@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
 from .accounting import Recorder
 from .comm import EPGroup
@@ -36,13 +37,16 @@ class Dispatcher(ABC):
       project implements the scheme, ``"library"`` when a third-party library
       runs it; ``requires_divisible_experts``: whether E must split evenly
       over P ranks; ``exact``: whether it returns exactly top-k MoE (False
-      for schemes that drop tokens or change the routing).
+      for schemes that drop tokens or change the routing); ``runs_whole_layer``:
+      True for a system (e.g. a library's MoE module) whose dispatch, experts and
+      combine do not split, which then implements :meth:`forward_moe` instead.
     """
 
     name: str = "base"
     impl: str = "harness"
     requires_divisible_experts: bool = True
     exact: bool = True
+    runs_whole_layer: bool = False
 
     def __init__(self, ep: EPGroup, placement: Placement) -> None:
         if placement.num_devices != ep.world_size:
@@ -86,9 +90,19 @@ class Dispatcher(ABC):
     def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:
         """Returns ``out_TD``, the gate-weighted sum of each token's expert outputs."""
 
+    def forward_moe(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                    experts: nn.Module, *, layer: int = 0, recorder: Optional[Recorder] = None
+                    ) -> torch.Tensor:
+        """The whole routed layer in one call (only when ``runs_whole_layer``): moves the
+        tokens, runs this rank's ``experts`` and returns ``out_TD``, the gate-weighted sum,
+        logging its collectives and counters on ``recorder`` itself."""
+        raise TypeError(f"system '{self.name}' splits into dispatch / experts / combine "
+                        "(runs_whole_layer is False); forward_moe is not available")
+
     @classmethod
-    def check_config(cls, *, num_experts: int, top_k: int, world_size: int) -> None:
-        """Raise ``ValueError`` naming the field if this system cannot run the shape."""
+    def check_config(cls, *, num_experts: int, top_k: int, world_size: int, **options) -> None:
+        """Raise ``ValueError`` naming the field if this system cannot run the shape (or, in
+        a subclass, with these system ``options``, e.g. an infeasible device budget)."""
         if cls.requires_divisible_experts and num_experts % world_size:
             divisors = [p for p in range(1, num_experts + 1) if num_experts % p == 0]
             raise ValueError(

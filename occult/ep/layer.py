@@ -53,7 +53,8 @@ def routed_experts(x_TD: torch.Tensor, probs_TE: torch.Tensor, topk_ids_TK: torc
                    transform: Optional[RoutingTransform] = None,
                    logits_TE: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The routed part of every EP MoE layer, after the router:
-    routing transform -> dispatch -> grouped experts -> combine: [T, D] -> [T, D]."""
+    routing transform -> dispatch -> grouped experts -> combine: [T, D] -> [T, D].
+    A dispatcher that ``runs_whole_layer`` does the last three in ``forward_moe``."""
     rec, li = recorder, layer_idx
     transform = transform or dispatcher.routing_transform(layer_idx)
     if transform is not None:
@@ -62,6 +63,9 @@ def routed_experts(x_TD: torch.Tensor, probs_TE: torch.Tensor, topk_ids_TK: torc
                                                      dispatcher.placement)
     if rec is not None:
         rec.log_routing(li, topk_ids_TK, topk_weights_TK, logits_TE)
+    if dispatcher.runs_whole_layer:
+        with span(rec, li, "moe"):
+            return dispatcher.forward_moe(x_TD, topk_ids_TK, topk_weights_TK, experts, layer=li, recorder=rec)
     with span(rec, li, "dispatch"):
         routed_RD, counts_e, handle = dispatcher.dispatch(x_TD, topk_ids_TK, topk_weights_TK, layer=li,
                                                           recorder=rec)
