@@ -1,52 +1,130 @@
-"""A report for any set of run folders: summary table (CSV, Markdown), figures, report.md.
+"""A report for any set of run folders: tables (CSV + Markdown), figures (PNG + PDF), report.md.
 
-    python -m analysis.report runs/default_study [more folders...] [--out DIR]
+    python -m analysis.report runs/fig3_lcc [more folders...] [--out DIR] [--figures fig3_lcc,...]
 
-Written automatically at the end of every multirun (into the sweep folder).
+Written automatically at the end of every multirun (into the sweep folder),
+with the figure builders the experiment names in its ``report`` field
+(:mod:`analysis.figures`). On demand, ``--figures`` names them; without it
+the builders are read from the sweep's saved config (``multirun.yaml``).
+
+Sections: an overview of every run (one row per run; task=layer phase
+times), each named figure or table, and the cost model checked against this
+machine when the runs allow it. Projected values carry ``source =
+projected`` and are hatched or dashed in the figures.
 """
 from __future__ import annotations
 
 import argparse
+import logging
+import re
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
+from .figures import Section, costmodel_check, resolve_builders
 from .load import load_runs
 from .plots import plot_phase_times
-from .summary import run_table, with_ratios
+from .summary import run_table, task_latency, with_ratios
 
-SHOWN = ["system", "impl", "cluster", "top_k", "routing", "ct_all", "dispatch_rows_per_token",
+SHOWN = ["system", "impl", "model", "task", "cluster", "top_k", "routing", "ct_all", "dispatch_rows_per_token",
          "dispatch_remote_MB", "a2a_dispatch_fwd_ms", "a2a_combine_fwd_ms", "layer_fwd_ms",
          "layer_fwd_bwd_ms", "layer_fwd_ms_vs_naive", "layer_fwd_bwd_ms_vs_naive"]
+NOT_RUNS = ("calibrate",)          # tasks whose runs measure the machine, not a system
+log = logging.getLogger("occult")
 
 
-def write_report(paths, out_dir) -> Path:
-    """Builds the report from every results file under ``paths``; returns report.md."""
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
+
+
+def overview(df: pd.DataFrame, out: Path) -> Section:
+    """Every run in one table (+ the whole-model latencies), and the phase-time figure."""
+    runs = df[~df.task.isin(NOT_RUNS)]
+    if runs.empty:
+        return Section("Runs", ["Only calibration runs."])
+    table = with_ratios(run_table(runs)).sort_values(["task", "system", "cluster", "top_k"])
+    table.to_csv(out / "summary.csv", index=False)
+    shown = table[[c for c in SHOWN if c in table]].dropna(axis=1, how="all")
+    tables = [("summary", shown)]
+    lat = task_latency(runs)
+    if not lat.empty:
+        tables.append(("task_latency", lat.drop(columns=["run_dir"]).dropna(axis=1, how="all")))
+    text = [f"{table.shape[0]} run(s), {len(df)} result rows; machine: {df.device.iloc[0]}; commit "
+            f"{df.git_commit.iloc[0]}.",
+            "Times are medians over timed samples of the slowest rank, in ms, measured on this machine: "
+            "compare systems through the ratios, which were measured in the same sweep. C_T, rows and "
+            "bytes come from the split sizes that went into the collectives."]
+    return Section("Runs", text, tables, plot_phase_times(runs, out))
+
+
+def builders_of(paths) -> str:
+    """The ``report`` field of the first sweep config (multirun.yaml) found at the given folders."""
+    for p in map(Path, paths):
+        cfg = p / "multirun.yaml"
+        if cfg.is_file():
+            return str((yaml.safe_load(cfg.read_text()) or {}).get("report") or "")
+    return ""
+
+
+def render(sections: list[Section], out: Path, title: str) -> Path:
+    """Writes each table as CSV and everything as report.md; returns its path."""
+    lines = [f"# {title}", ""]
+    for sec in sections:
+        lines += [f"## {sec.title}", ""]
+        for para in sec.text:
+            lines += [para, ""]
+        for name, table in sec.tables:
+            table.to_csv(out / f"{_slug(name)}.csv", index=False)
+            lines += [f"**{name}** (`{_slug(name)}.csv`)", "",
+                      table.to_markdown(index=False, floatfmt=".4g") if not table.empty else "(empty)", ""]
+        for fig in sec.figures:
+            if Path(fig).suffix == ".png":
+                lines += [f"![{Path(fig).stem}]({Path(fig).name}) (also `{Path(fig).with_suffix('.pdf').name}`)", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _guarded(build, df: pd.DataFrame, out: Path) -> list[Section]:
+    """A builder's sections; if it fails, a section that says so (the other sections and the
+    sweep's results stay intact) and the error in the log."""
+    try:
+        return build(df, out)
+    except Exception as exc:  # noqa: BLE001 - one figure must not lose the whole report
+        log.exception("report: %s failed", build.__name__)
+        return [Section(f"{build.__name__}: not drawn", [f"The builder failed: `{type(exc).__name__}: {exc}` "
+                                                         f"(traceback in the log). Rerun with "
+                                                         f"`python -m analysis.report {out}`."])]
+
+
+def write_report(paths, out_dir, builders=None) -> Path:
+    """Builds the report from every results file under ``paths``; returns report.md.
+
+    ``builders``: figure builders (names in :data:`analysis.figures.BUILDERS`, comma-separated,
+    or dotted paths); None: those the sweep's config names, if any.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     df = load_runs(paths)
-    table = with_ratios(run_table(df)).sort_values(["system", "cluster", "top_k"])
-    table.to_csv(out / "summary.csv", index=False)
-    figures = plot_phase_times(df, out)
-    shown = table[[c for c in SHOWN if c in table]]
-    lines = [f"# Report: {', '.join(sorted(df.experiment.unique()))}", "",
-             f"{table.shape[0]} run(s), {len(df)} result rows; machine: {df.device.iloc[0]}; "
-             f"commit {df.git_commit.iloc[0]}.", "",
-             "Times are medians over timed samples of the slowest rank, in ms, measured on this "
-             "machine: compare systems through the ratios, which were measured in the same sweep. "
-             "C_T, rows and bytes come from the split sizes that went into the collectives.", "",
-             shown.to_markdown(index=False, floatfmt=".3g"), ""]
-    lines += [f"![{f.stem}]({f.name})" for f in figures if f.suffix == ".png"]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
-    return out / "report.md"
+    spec = builders_of(paths) if builders is None else builders
+    sections = [overview(df, out)]
+    for build in resolve_builders(spec):
+        sections += _guarded(build, df, out)
+    if "costmodel_check" not in str(spec):
+        sections += _guarded(costmodel_check, df, out)
+    title = f"Report: {', '.join(sorted(map(str, df.experiment.unique())))}"
+    return render(sections, out, title)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", help="run or sweep folders")
     ap.add_argument("--out", default=None, help="where to write (default: the first folder)")
+    ap.add_argument("--figures", default=None,
+                    help="comma-separated figure builders (default: the sweep config's `report`)")
     args = ap.parse_args()
-    print(write_report(args.paths, args.out or args.paths[0]))
+    print(write_report(args.paths, args.out or args.paths[0], args.figures))
 
 
 if __name__ == "__main__":

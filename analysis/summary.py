@@ -64,10 +64,57 @@ def with_ratios(table: pd.DataFrame, baseline: str = "naive",
     """Adds ``<col>_vs_<baseline>``: each run's value over the baseline system's
     value in the run with the same keys (NaN when the baseline did not run)."""
     out = table.copy()
-    base = table[table.system == baseline].set_index(RUN_KEYS)
     for col in columns:
-        if col not in table:
-            continue
-        ref = out.set_index(RUN_KEYS).index.map(lambda k: base[col].get(k, float("nan")))
-        out[f"{col}_vs_{baseline}"] = out[col].to_numpy() / pd.Series(ref, index=out.index).to_numpy()
+        if col in table:
+            out[f"{col}_vs_{baseline}"] = ratio_to(table, col, baseline)
     return out
+
+
+# whole-model tasks: the headline latency of each task (metric, phase), over all ranks
+TASK_LATENCY = {"prefill": ("ttft", "prefill"), "decode": ("token_latency", "decode"),
+                "train": ("step_time", "train")}
+TASK_LATENCY_LABEL = {"prefill": "time to first token", "decode": "per-token latency",
+                      "train": "training step"}
+
+
+def task_latency(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per whole-model run: its task's latency (ms, median over samples of the
+    all-ranks value, i.e. the slowest rank) and tokens/s (median)."""
+    out = []
+    for run_dir, run in df[df.task.isin(list(TASK_LATENCY))].groupby("run_dir"):
+        metric, phase = TASK_LATENCY[run.task.iloc[0]]
+        lat = run[(run.metric == metric) & (run.phase == phase) & (run["rank"] == -1)].value
+        tps = run[(run.metric == "tokens_per_s") & (run.phase == phase) & (run["rank"] == -1)].value
+        if lat.empty:
+            continue
+        out.append({**{k: run[k].iloc[0] for k in RUN_KEYS + SYSTEM_KEYS}, "run_dir": run_dir,
+                    "latency_metric": metric, "latency_ms": lat.median(),
+                    "tokens_per_s": tps.median() if not tps.empty else float("nan")})
+    return pd.DataFrame(out)
+
+
+def a2a_total_ms(df: pd.DataFrame, directions=("forward",)) -> pd.Series:
+    """All collectives of a timed iteration in the given passes, summed per rank, slowest
+    rank per sample, median over samples: ms per run (indexed by run_dir)."""
+    sel = df[(df.metric == "a2a_time") & df["pass"].isin(list(directions)) & (df["sample"] >= 0)]
+    if sel.empty:
+        return pd.Series(dtype=float)
+    per_sample = sel.groupby(["run_dir", "sample", "rank"]).value.sum().groupby(["run_dir", "sample"]).max()
+    return per_sample.groupby("run_dir").median()
+
+
+def remote_bytes_per_rank(df: pd.DataFrame, phases=("dispatch", "combine"), direction: str = "forward") -> pd.Series:
+    """The most remote bytes one rank sends in the given phases of one pass (per iteration), per run."""
+    sel = df[(df.metric == "bytes") & df.phase.isin(list(phases)) & (df["pass"] == direction)
+             & (df.src_rank != df.dst_rank)]
+    return sel.groupby(["run_dir", "src_rank"]).value.sum().groupby("run_dir").max()
+
+
+def ratio_to(table: pd.DataFrame, column: str, baseline: str = "naive", keys=None) -> pd.Series:
+    """``column`` over the baseline system's value in the row with the same ``keys``
+    (default: RUN_KEYS present in the table); NaN where the baseline is missing. Several
+    baseline runs with the same keys: their median."""
+    keys = [k for k in (keys or RUN_KEYS) if k in table]
+    base = table[table.system == baseline].groupby(keys, dropna=False)[column].median()
+    ref = table.set_index(keys).index.map(lambda k: base.get(k, float("nan")))
+    return pd.Series(table[column].to_numpy() / ref.to_numpy(dtype=float), index=table.index)

@@ -7,7 +7,7 @@ each system's options are the keyword arguments of its dispatcher class
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -70,7 +70,7 @@ class TaskConf:
 @dataclass
 class PretrainConf:
     """How CPU proxies are pre-trained (the cached checkpoint every proxy task uses)."""
-    steps: int = 1500
+    steps: int = 400
     lr: float = 3e-3
     batch_size: int = 16
     seq_len: int = 128
@@ -88,6 +88,21 @@ class ClusterConf:
     threads_per_rank: int = 0           # 0: cores // world_size
     run_timeout_s: float = 3600.0       # whole run
     collective_timeout_s: float = 300.0
+    # projection profiles (conf/cluster/sim_*.yaml): read by analysis.costmodel, refused by
+    # validation as a cluster to run on. Bandwidths in GB/s per device and direction.
+    simulated: bool = False
+    devices_per_node: int = 0           # 0: every device in one node
+    intra_node_GBps: float = 0.0        # device <-> device within a node (nominal)
+    intra_node_latency_us: float = 0.0  # per all-to-all call within a node
+    inter_node_GBps: float = 0.0        # one NIC, per direction (nominal)
+    nics_per_node: int = 0              # NICs a node's devices share for inter-node traffic
+    inter_node_latency_us: float = 0.0  # per all-to-all call that crosses nodes
+    device_TFLOPs: float = 0.0          # dense matmul peak per device at `dtype`
+    dtype: str = ""                     # element type of projected activations (bfloat16, float32)
+    link_efficiency: float = 1.0        # achieved / nominal bandwidth (an assumption unless measured)
+    compute_efficiency: float = 1.0     # achieved / peak matmul throughput (idem)
+    source: str = ""                    # where the numbers come from
+    calibration: List[Any] = field(default_factory=list)   # measured points per world size (CPU)
 
 
 @dataclass
@@ -101,6 +116,7 @@ class RunConf:
     seed: int = 0
     resume: bool = True                 # skip a run whose results already exist
     out_dir: Optional[str] = None       # default: Hydra's output folder
+    report: str = ""                    # figure builders of an experiment's report (analysis.figures)
 
 
 def register() -> None:

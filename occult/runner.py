@@ -92,7 +92,7 @@ class SweepSummary(Callback):
         failed = failed_points(sweep_dir)
         if any(sweep_dir.rglob("results.parquet")):
             from analysis.report import write_report
-            log.info("report: %s", write_report([sweep_dir], sweep_dir))
+            log.info("report: %s", write_report([sweep_dir], sweep_dir, builders=config.get("report", "")))
         if failed:
             names = "\n  ".join(str(p) for p in failed)
             log.error(f"{len(failed)} sweep point(s) failed (see error.txt in each):\n  {names}\n"

@@ -58,6 +58,11 @@ def _models_with_family() -> list[str]:
 def validate(cfg) -> list[str]:
     """Raises :class:`ConfigError` for impossible runs; returns warnings (also issued)."""
     m, t, c = cfg.model, cfg.task, cfg.cluster
+    if c.get("simulated", False):
+        runnable = [n for n in available("cluster") if not n.startswith("sim_")]
+        raise ConfigError(f"cluster={c.name} is a projection profile (cluster.simulated=true), not a cluster "
+                          f"to run on: use it with python -m analysis.project RUN_DIRS --cluster {c.name}. "
+                          f"Clusters that run: {runnable}")
     E, K, P = m.num_experts, m.top_k, c.world_size
     if E < 1:
         raise ConfigError(f"model.num_experts={E}: must be at least 1")
@@ -86,7 +91,7 @@ def validate(cfg) -> list[str]:
         raise ConfigError(f"task={t.name} runs a whole model; model={m.name} has no model.family "
                           f"(a layer-only config). Models with a family: {_models_with_family()}")
     try:
-        cls.check_config(num_experts=E, top_k=K, world_size=P)
+        cls.check_config(num_experts=E, top_k=K, world_size=P, **system_options(dict(cfg.system)))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     notes = []

@@ -1,0 +1,247 @@
+"""Calibrates the cost model on this machine: loopback all-to-all and expert matmul throughput.
+
+    python -m analysis.calibrate                       # P = 2, 4, 8; writes conf/cluster/sim_cpu_loopback.yaml
+    python -m analysis.calibrate --world-sizes 2 4 --out /tmp/cpu.yaml
+
+For each world size P, P ranks (gloo on loopback, as every CPU run) time
+real ``all_to_all_single`` calls at a few message sizes (equal splits, after
+a barrier; per call the slowest rank, then the median over repetitions). As
+in a layer, every call follows a burst of compute (``WORK_MS`` of matmuls):
+with more ranks than cores, a rank that computed up to the barrier is often
+descheduled when the collective starts, and a tight loop of collectives
+would miss that cost. A line ``time = latency + bytes / bandwidth`` is
+fitted per P (``bytes``: what one rank sends to the others in one call, the
+quantity :mod:`analysis.costmodel` uses), on relative residuals, with
+latency and bandwidth kept positive.
+
+Then, all ranks at once as in a real run, the grouped SwiGLU experts of
+task=layer's default width on the e = 64 / P local experts, at two row
+counts: ``time = e x per-expert overhead + FLOPs / throughput`` gives the
+matmul throughput and the per-expert call overhead (Python and small-GEMM
+cost, which a CPU pays per expert).
+
+The P ranks share the host's cores, so bandwidth and throughput depend on P:
+the profile keeps one fitted point per world size (``calibration``).
+
+The same measurement runs as a sweep point (``run_rank``: a task entry), so
+that an experiment calibrates under the load its own runs see:
+
+    task.name=calibrate task.entry=analysis.calibrate.run_rank task.check_parity=false
+
+Its rows: ``calib_bytes`` (bytes per rank of size index ``layer``),
+``calib_a2a_time`` (ms, per rank and repetition), ``calib_expert_rows``,
+``calib_local_experts`` and ``calib_expert_time`` (ms, per rank, of row-count
+index ``layer``); :func:`fit_points` turns them into profile points.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.distributed as dist
+
+from occult.dist import launch
+from occult.records import device_name, row
+
+CONF_CLUSTER = Path(__file__).resolve().parent.parent / "conf" / "cluster"
+DEFAULT_PROFILE = CONF_CLUSTER / "sim_cpu_loopback.yaml"
+# bytes each rank sends to the other ranks together per call (the range task=layer moves:
+# 1 KiB rows, up to K x T = 4096 rows per rank), split equally over the peers
+RANK_BYTES = (0, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20)
+HIDDEN, FFN, EXPERTS = 256, 128, 64      # task=layer's default width (layer_small)
+EXPERT_ROWS = (512, 4096)               # rows per rank: T x K for K = 1 and 8 at T = 512
+WORK_MS = 5.0                           # compute before each timed collective
+
+
+def fit_line(x, y) -> tuple[float, float]:
+    """``y = a + b x`` with a, b >= 0, least squares on relative residuals (each point
+    weighted 1 / y, so that small and large messages count alike); returns (a, b)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    w = 1.0 / np.maximum(y, 1e-12)
+    A = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
+    (a, b), *_ = np.linalg.lstsq(A, y * w, rcond=None)
+    if a < 0:                                   # through the origin
+        b = float(np.sum(x * y * w * w) / np.sum(x * x * w * w))
+        a = 0.0
+    if b <= 0:                                  # latency only
+        a, b = float(np.median(y)), 0.0
+    return float(a), float(b)
+
+
+def _sent_bytes(rank_bytes: int, world_size: int) -> int:
+    """Bytes a rank really sends for a target of ``rank_bytes`` (whole float32 values per peer)."""
+    return rank_bytes // 4 // max(world_size - 1, 1) * 4 * (world_size - 1)
+
+
+def _busy(ms: float, a_NN: torch.Tensor) -> None:
+    """Matmuls for ``ms`` milliseconds (the compute a layer does between collectives)."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        a_NN @ a_NN
+
+
+def _time_a2a(ctx, rank_bytes: int, reps: int, work_ms: float = WORK_MS) -> list[float]:
+    """Seconds of ``reps`` equal-split all-to-alls sending ``rank_bytes`` to the peers together,
+    each after ``work_ms`` of compute and a barrier."""
+    P = ctx.world_size
+    n = rank_bytes // 4 // max(P - 1, 1)
+    send = torch.randn(n * P)
+    recv = torch.empty(n * P)
+    a_NN = torch.randn(128, 128)
+    out = []
+    for _ in range(reps + 1):                         # one warm-up call
+        _busy(work_ms, a_NN)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(recv, send, [n] * P, [n] * P)
+        out.append(time.perf_counter() - t0)
+    return out[1:]
+
+
+def _grouped_seconds(local_experts: int, rows: int, reps: int) -> float:
+    """Median seconds of the shared grouped SwiGLU experts (occult.ep.experts) on ``rows``
+    rows spread evenly over ``local_experts`` experts."""
+    from occult.ep.experts import grouped_swiglu
+    g = torch.Generator().manual_seed(0)
+    e = local_experts
+    x = torch.randn(rows, HIDDEN, generator=g)
+    wg, wu = torch.randn(e, HIDDEN, FFN, generator=g), torch.randn(e, HIDDEN, FFN, generator=g)
+    wd = torch.randn(e, FFN, HIDDEN, generator=g)
+    counts = torch.full((e,), rows // e, dtype=torch.long)
+    counts[: rows - int(counts.sum())] += 1
+    took = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        grouped_swiglu(x, counts, wg, wu, wd)
+        took.append(time.perf_counter() - t0)
+    return float(np.median(took[1:]))
+
+
+def calibration_rows(ctx, sizes=RANK_BYTES, reps: int = 8) -> list:
+    """On every rank: all-to-all times per size, then the expert matmul rate (all ranks at once)."""
+    rows = []
+    for i, size in enumerate(sizes):
+        if ctx.rank == 0:
+            rows.append(row("calib_bytes", _sent_bytes(size, ctx.world_size), "bytes", layer=i))
+        for s, sec in enumerate(_time_a2a(ctx, size, reps)):
+            rows.append(row("calib_a2a_time", sec * 1e3, "ms", layer=i, rank=ctx.rank, sample=s))
+    dist.barrier()
+    e = max(EXPERTS // ctx.world_size, 1)
+    for i, n in enumerate(EXPERT_ROWS):
+        if ctx.rank == 0:
+            rows.append(row("calib_expert_rows", n, "rows", layer=i))
+            rows.append(row("calib_local_experts", e, "experts", layer=i))
+        rows.append(row("calib_expert_time", _grouped_seconds(e, n, reps) * 1e3, "ms", layer=i, rank=ctx.rank))
+    return rows
+
+
+def run_rank(ctx, cfg_dict: dict) -> list:
+    """Task entry: the calibration as a sweep point (uses task.iters as repetitions)."""
+    if ctx.world_size < 2:
+        raise ValueError("calibration needs cluster.world_size >= 2 (it times all-to-alls between ranks)")
+    return calibration_rows(ctx, RANK_BYTES, max(int(cfg_dict["task"]["iters"]), 3))
+
+
+def fit_points(df: pd.DataFrame) -> list[dict]:
+    """Profile points from calibration rows: one per world size (several runs of one P:
+    the latest). Keys: world_size, latency_us, GBps, TFLOPs, points [(bytes, ms)]."""
+    out = []
+    cal = df[df.metric.str.startswith("calib_")]
+    if cal.empty:
+        return out
+    for P, by_p in cal.groupby("world_size"):
+        run = by_p[by_p.run_dir == sorted(by_p.run_dir.unique())[-1]] if "run_dir" in by_p else by_p
+        sizes = run[run.metric == "calib_bytes"].set_index("layer").value
+        t = run[run.metric == "calib_a2a_time"]
+        slowest = t.groupby(["layer", "sample"]).value.max().groupby("layer").median()
+        x = sizes.reindex(slowest.index).to_numpy(float)
+        lat_ms, ms_per_byte = fit_line(x, slowest.to_numpy(float))
+        TFLOPs, call_us = _fit_experts(run)
+        out.append({"world_size": int(P), "latency_us": lat_ms * 1e3,
+                    "GBps": 1e-6 / ms_per_byte if ms_per_byte > 0 else float("inf"),
+                    "TFLOPs": TFLOPs, "expert_call_us": call_us,
+                    "points": [(int(b), float(m)) for b, m in zip(x, slowest.to_numpy(float))]})
+    return out
+
+
+def _fit_experts(run: pd.DataFrame) -> tuple[float, float]:
+    """(TFLOP/s, per-expert overhead in us) from the grouped-expert timings of one run:
+    ``time = e c + FLOPs / rate`` through its two row counts (slowest rank of each)."""
+    n = run[run.metric == "calib_expert_rows"].set_index("layer").value
+    e = float(run[run.metric == "calib_local_experts"].value.iloc[0])
+    t_ms = run[run.metric == "calib_expert_time"].groupby("layer").value.max().reindex(n.index)
+    flops = 6.0 * n.to_numpy(float) * HIDDEN * FFN
+    (t1, t2), (f1, f2) = t_ms.to_numpy(float) / 1e3, flops
+    rate = (f2 - f1) / (t2 - t1) if t2 > t1 else f2 / t2
+    call_s = max((t1 - f1 / rate) / e, 0.0)
+    return rate / 1e12, call_s * 1e6
+
+
+def profile_dict(points: list[dict], source: str) -> dict:
+    """A ``sim_cpu_loopback`` profile (the fields :func:`analysis.costmodel.profile_from_dict` reads)."""
+    return {"name": "sim_cpu_loopback", "simulated": True, "world_size": 0, "backend": "gloo",
+            "dtype": "float32", "source": source,
+            "calibration": [{k: p[k] for k in ("world_size", "latency_us", "GBps", "TFLOPs", "expert_call_us")}
+                            for p in points]}
+
+
+def profile_yaml(points: list[dict]) -> str:
+    """The calibration profile as YAML text (a ``conf/cluster`` file the cost model reads)."""
+    stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    lines = ["# This machine's loopback (gloo, P processes on one host), MEASURED by",
+             "#   python -m analysis.calibrate",
+             f"# on {device_name()} ({platform.node()}, {os.cpu_count()} cores), {stamp}.",
+             "# A projection profile (simulated: true), not a cluster to run on. Per world size P:",
+             "# all-to-all latency and bandwidth fitted to bytes a rank sends to the others in one",
+             "# call (each after compute, as in a layer), and the per-rank expert matmul throughput",
+             "# and per-expert overhead with P ranks at once. Measured on a shared machine: rerun",
+             "# the calibration before trusting it elsewhere.",
+             "name: sim_cpu_loopback", "simulated: true", "world_size: 0", "backend: gloo",
+             "dtype: float32", f"source: measured by analysis.calibrate on {platform.node()}, {stamp}",
+             "calibration:"]
+    for p in points:
+        lines.append(f"  - {{world_size: {p['world_size']}, latency_us: {p['latency_us']:.1f}, "
+                     f"GBps: {p['GBps']:.4f}, TFLOPs: {p['TFLOPs']:.5f}, "
+                     f"expert_call_us: {p['expert_call_us']:.1f}}}")
+    return "\n".join(lines) + "\n"
+
+
+def _cli_rank(ctx, reps: int) -> list:
+    return calibration_rows(ctx, RANK_BYTES, reps)
+
+
+def calibrate(world_sizes, reps: int = 8) -> list[dict]:
+    """Runs the calibration at each world size on this machine; returns the profile points."""
+    frames = []
+    for P in world_sizes:
+        per_rank = launch(_cli_rank, P, (reps,), timeout_s=600.0)
+        df = pd.DataFrame([r for rows in per_rank for r in rows])
+        df["world_size"], df["run_dir"] = P, f"calibrate/{P}"
+        frames.append(df)
+    return fit_points(pd.concat(frames, ignore_index=True))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--reps", type=int, default=8, help="timed calls per size")
+    ap.add_argument("--out", default=str(DEFAULT_PROFILE), help="profile to write")
+    args = ap.parse_args()
+    points = calibrate(args.world_sizes, args.reps)
+    for pt in points:
+        print(f"P={pt['world_size']}: latency {pt['latency_us']:.0f} us, {pt['GBps']:.3f} GB/s, "
+              f"{pt['TFLOPs'] * 1e3:.1f} GFLOP/s + {pt['expert_call_us']:.0f} us per expert per rank; " +
+              ", ".join(f"{b / 1e6:.2f} MB {m:.2f} ms" for b, m in pt["points"]), flush=True)
+    Path(args.out).write_text(profile_yaml(points))
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

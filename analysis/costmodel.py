@@ -1,0 +1,385 @@
+"""A cost model that projects measured runs onto clusters that are not here.
+
+Inputs are what a run measured and what its config says, never a guess about
+routing: the bytes each rank sent to each peer in every collective (the
+``bytes`` rows with ``src_rank`` / ``dst_rank``, counted from the split sizes
+that went into the collective) and the expert FLOPs of the run's tokens
+(tokens, K, D, F). A cluster profile (``conf/cluster/sim_*.yaml``) gives link
+bandwidths and latencies and per-device matmul throughput.
+
+Model (one collective, P ranks):
+
+    time = latency + max over ranks r of max(t_intra(r), t_inter(r))
+    t_intra(r) = max(sent_intra(r), received_intra(r)) / (intra bandwidth x efficiency)
+    t_inter(r) = max(sent_inter(r), received_inter(r)) / (per-device NIC share x efficiency)
+
+where bytes a rank keeps for itself are free, ``latency`` is the inter-node
+latency when any byte crosses nodes (else the intra-node one), and a device's
+NIC share is ``inter_node_GBps * nics_per_node / devices_per_node``. When a
+run made several calls of one collective per timed iteration (decode steps),
+the latency is paid per call and the bytes of all calls are summed (the max
+over ranks of a sum: a lower bound on the sum of the per-call maxima).
+
+Experts (SwiGLU, three D x F matmuls): ``6 D F`` FLOPs per (token, expert)
+row forward, twice that backward; rows per rank = tokens per rank x K
+(balanced load, an assumption) plus the padding rows a capacity-based system
+reported. Time = max over ranks of FLOPs / (device peak x efficiency).
+
+Projecting to another model (e.g. a CPU proxy's routing onto OLMoE's real
+width): the rows stay, each hidden-state row is re-sized to the target's D
+and the profile's element type, metadata rows keep their bytes, expert FLOPs
+use the target's D and F, and the per-layer mean is repeated for the
+target's number of MoE layers.
+
+Every value this module returns carries ``source = "projected"``.
+
+A profile for this machine (``sim_cpu_loopback``) is measured by
+:mod:`analysis.calibrate`: there the P ranks share the host's cores, so its
+latency, bandwidth and throughput are per world size. :func:`check_against_measured`
+compares its projections with the all-to-all and expert times that
+``task=layer`` runs measured.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from .summary import slowest_rank_ms
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+PROJECTED = "projected"
+MEASURED = "measured"
+
+
+@dataclass(frozen=True)
+class Link:
+    """One world size's links and compute on a profile (seconds, bytes/s, FLOP/s)."""
+
+    intra_latency_s: float
+    intra_Bps: float
+    inter_latency_s: float = 0.0
+    inter_Bps: float = float("inf")
+    devices_per_node: int = 0          # 0: all ranks in one node
+    flops: float = float("inf")        # achieved matmul FLOP/s per device
+    expert_call_s: float = 0.0         # overhead per local expert per pass (measured on the CPU)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A cluster profile (a ``conf/cluster`` YAML with ``simulated: true``)."""
+
+    name: str
+    world_size: int                     # 0: any world size in ``calibration``
+    dtype: str
+    link: Optional[Link] = None         # fixed links (GPU profiles)
+    calibration: dict = field(default_factory=dict)   # {P: Link} (this machine)
+    source: str = ""
+
+    def at(self, world_size: int) -> Link:
+        """The links and compute for a run of ``world_size`` ranks (raises if the profile has none)."""
+        if self.calibration:
+            if world_size not in self.calibration:
+                raise ValueError(f"cluster={self.name}: calibrated for world sizes {sorted(self.calibration)}, "
+                                 f"not {world_size} (rerun python -m analysis.calibrate --world-sizes ...)")
+            return self.calibration[world_size]
+        if world_size != self.world_size:
+            raise ValueError(f"cluster={self.name} has world_size={self.world_size}; a run measured at "
+                             f"world_size={world_size} has another per-peer byte pattern. Project runs "
+                             f"measured with cluster.world_size={self.world_size}")
+        return self.link
+
+    @property
+    def element_bytes(self) -> int:
+        if self.dtype not in ELEMENT_BYTES:
+            raise ValueError(f"cluster={self.name}: dtype={self.dtype!r}; allowed values {sorted(ELEMENT_BYTES)}")
+        return ELEMENT_BYTES[self.dtype]
+
+
+def _link_from_fields(c: dict) -> Link:
+    eff, ceff = float(c.get("link_efficiency", 1.0)), float(c.get("compute_efficiency", 1.0))
+    inter = float(c.get("inter_node_GBps", 0.0)) * int(c.get("nics_per_node", 0) or 0)
+    per_node = int(c.get("devices_per_node", 0) or 0)
+    inter_share = inter / per_node if per_node and inter else 0.0
+    return Link(intra_latency_s=float(c.get("intra_node_latency_us", 0.0)) * 1e-6,
+                intra_Bps=float(c["intra_node_GBps"]) * 1e9 * eff,
+                inter_latency_s=float(c.get("inter_node_latency_us", 0.0)) * 1e-6,
+                inter_Bps=inter_share * 1e9 * eff if inter_share else float("inf"),
+                devices_per_node=per_node,
+                flops=float(c.get("device_TFLOPs", 0.0)) * 1e12 * ceff or float("inf"))
+
+
+def profile_from_dict(c: dict) -> Profile:
+    """A :class:`Profile` from a cluster config's fields (errors name the field)."""
+    name = c.get("name", "?")
+    if not c.get("simulated", False):
+        raise ValueError(f"cluster={name}: not a projection profile (needs simulated: true)")
+    calibration = {}
+    for point in c.get("calibration") or []:
+        calibration[int(point["world_size"])] = Link(
+            intra_latency_s=float(point["latency_us"]) * 1e-6, intra_Bps=float(point["GBps"]) * 1e9,
+            flops=float(point["TFLOPs"]) * 1e12, expert_call_s=float(point.get("expert_call_us", 0.0)) * 1e-6)
+    if not calibration and not c.get("intra_node_GBps"):
+        raise ValueError(f"cluster={name}: needs intra_node_GBps (GB/s) or a calibration list")
+    return Profile(name=name, world_size=int(c.get("world_size", 0) or 0), dtype=c.get("dtype") or "float32",
+                   link=None if calibration else _link_from_fields(c), calibration=calibration,
+                   source=c.get("source", ""))
+
+
+def load_profile(name_or_path) -> Profile:
+    """``sim_a6000x4`` (from conf/cluster) or a path to a profile YAML."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = CONF / "cluster" / f"{name_or_path}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in (CONF / "cluster").glob("sim_*.yaml"))
+        raise FileNotFoundError(f"cluster={name_or_path}: no profile {path}; profiles: {names}")
+    return profile_from_dict(yaml.safe_load(path.read_text()))
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in (CONF / "cluster").glob("sim_*.yaml"))
+
+
+# ---------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------
+
+
+def node_of(world_size: int, devices_per_node: int) -> np.ndarray:
+    """Node index of each rank: [P]."""
+    per = devices_per_node or world_size
+    return np.arange(world_size) // per
+
+
+def a2a_seconds(bytes_PP: np.ndarray, link: Link, calls: int = 1) -> float:
+    """Projected time of ``calls`` all-to-alls whose summed bytes are ``bytes_PP[src, dst]``."""
+    bytes_PP = np.asarray(bytes_PP, dtype=float)
+    P = bytes_PP.shape[0]
+    if P <= 1:
+        return 0.0
+    node = node_of(P, link.devices_per_node)
+    remote = ~np.eye(P, dtype=bool)
+    same = (node[:, None] == node[None, :]) & remote
+    cross = node[:, None] != node[None, :]
+    intra = np.maximum((bytes_PP * same).sum(1), (bytes_PP * same).sum(0))
+    inter = np.maximum((bytes_PP * cross).sum(1), (bytes_PP * cross).sum(0))
+    t_rank = np.maximum(intra / link.intra_Bps, inter / link.inter_Bps if inter.any() else 0.0)
+    latency = link.inter_latency_s if cross.any() and link.inter_latency_s else link.intra_latency_s
+    return calls * latency + float(t_rank.max())
+
+
+def swiglu_flops(rows: float, hidden: int, ffn: int, backward: bool = False) -> float:
+    """FLOPs of SwiGLU experts on ``rows`` (token, expert) rows: 6 D F each forward, x2 backward."""
+    return (12.0 if backward else 6.0) * rows * hidden * ffn
+
+
+def expert_seconds(rows_P, hidden: int, ffn: int, link: Link, backward: bool = False,
+                   local_experts: int = 0) -> float:
+    """Projected expert time: the busiest rank's FLOPs over the device's achieved throughput,
+    plus the profile's per-expert overhead for each of the ``local_experts`` (x2 backward)."""
+    rows_P = np.asarray(rows_P, dtype=float)
+    flops = swiglu_flops(float(rows_P.max()) if rows_P.size else 0.0, hidden, ffn, backward)
+    return flops / link.flops + (2 if backward else 1) * local_experts * link.expert_call_s
+
+
+# ---------------------------------------------------------------------------
+# projecting runs
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """The model a projection is for (defaults: the run's own)."""
+
+    name: str
+    hidden_size: int
+    expert_ffn_size: int
+    moe_layers: int = 0                 # 0: the run's own MoE layers, as measured
+
+
+def target_model(name: str) -> Target:
+    """A model config from conf/model as a projection target."""
+    path = CONF / "model" / f"{name}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+        raise FileNotFoundError(f"model={name}: no config {path}; models: {names}")
+    m = yaml.safe_load(path.read_text())
+    layers = int(m.get("num_layers", 1)) - int(m.get("first_k_dense", 0))
+    return Target(name, int(m["hidden_size"]), int(m["expert_ffn_size"]), max(layers, 1))
+
+
+def real_model_of(run_model: str) -> str:
+    """The paper model a CPU proxy stands for (``olmoe_proxy`` -> ``olmoe``)."""
+    return run_model[:-len("_proxy")] if run_model.endswith("_proxy") else run_model
+
+
+def _collectives(run: pd.DataFrame) -> pd.DataFrame:
+    """Per (layer, phase, pass): the byte matrix, rows, calls per timed iteration."""
+    b = run[run.metric == "bytes"]
+    r = run[run.metric == "rows"]
+    P = int(run.world_size.iloc[0])
+    timed = run[(run.metric == "a2a_time") & (run["sample"] >= 0)]
+    first = timed[timed["sample"] == timed["sample"].min()] if not timed.empty else timed
+    calls = first[first["rank"] == first["rank"].min()].groupby(["layer", "phase", "pass"]).size() \
+        if not first.empty else pd.Series(dtype=int)
+    out = []
+    for (layer, phase, direction), g in b.groupby(["layer", "phase", "pass"]):
+        mat = np.zeros((P, P))
+        np.add.at(mat, (g.src_rank.to_numpy(int), g.dst_rank.to_numpy(int)), g.value.to_numpy(float))
+        rows = r[(r.layer == layer) & (r.phase == phase) & (r["pass"] == direction)].value.sum()
+        out.append({"layer": layer, "phase": phase, "direction": direction, "bytes_PP": mat, "rows": rows,
+                    "calls": int(calls.get((layer, phase, direction), 1))})
+    return pd.DataFrame(out)
+
+
+def _row_bytes_of_hidden(run: pd.DataFrame, coll: pd.DataFrame) -> Optional[float]:
+    """Bytes of one hidden-state row in this run (from its dispatch phase), or None."""
+    D = int(run.hidden_size.iloc[0])
+    disp = coll[coll.phase == "dispatch"]
+    total_rows = disp.rows.sum()
+    if total_rows == 0:
+        return None
+    per_row = sum(m.sum() for m in disp.bytes_PP) / total_rows
+    return per_row if per_row % D == 0 else None
+
+
+def _expert_rows(run: pd.DataFrame, layer: int) -> np.ndarray:
+    """(token, expert) rows each rank's experts process in one layer: tokens per rank x K
+    (balanced) plus the padding rows the system reported, minus dropped pairs."""
+    P, K = int(run.world_size.iloc[0]), int(run.top_k.iloc[0])
+    tok = run[(run.metric == "tokens") & (run["rank"] >= 0) & (run.layer == layer)]
+    per_rank = np.zeros(P)
+    if not tok.empty:
+        total = tok.value.sum()
+        per_rank += total / P * K
+    else:
+        per_rank += float(run.tokens_per_rank.iloc[0]) * K
+    for name, sign in (("padding_rows", 1.0), ("dropped_pairs", -1.0)):
+        c = run[(run.metric == name) & (run.layer == layer) & (run["rank"] >= 0)]
+        for rank, v in c.groupby("rank").value.sum().items():
+            per_rank[int(rank)] += sign * v
+    return per_rank
+
+
+def project_run(run: pd.DataFrame, profile: Profile, target: Optional[Target] = None) -> pd.DataFrame:
+    """Projected per-layer times of one run's timed iteration on ``profile``.
+
+    Rows: ``layer, component`` (``a2a:<phase>``, ``experts``), ``pass``, ``ms``; plus
+    ``source = projected``, the profile and target names. Layer -1 rows are totals over
+    the target's MoE layers (``component = moe``: all-to-alls + experts).
+    """
+    P = int(run.world_size.iloc[0])
+    link = profile.at(P)
+    D_run, F_run = int(run.hidden_size.iloc[0]), int(run.expert_ffn_size.iloc[0])
+    D, F = (target.hidden_size, target.expert_ffn_size) if target else (D_run, F_run)
+    coll = _collectives(run)
+    hidden_row = _row_bytes_of_hidden(run, coll)
+    out = []
+    for c in coll.itertuples():
+        mat = c.bytes_PP
+        if target is not None and hidden_row and c.rows and np.isclose(mat.sum() / c.rows, hidden_row):
+            mat = mat / hidden_row * D * profile.element_bytes
+        out.append({"layer": c.layer, "component": f"a2a:{c.phase}", "pass": c.direction,
+                    "ms": a2a_seconds(mat, link, c.calls) * 1e3})
+    backward = bool((run["pass"] == "backward").any())
+    layers = sorted(coll.layer.unique()) if not coll.empty else [0]
+    for layer in layers:
+        rows_P = _expert_rows(run, layer)
+        e = int(run.num_experts.iloc[0]) // P
+        out.append({"layer": layer, "component": "experts", "pass": "forward",
+                    "ms": expert_seconds(rows_P, D, F, link, local_experts=e) * 1e3})
+        if backward:
+            out.append({"layer": layer, "component": "experts", "pass": "backward",
+                        "ms": expert_seconds(rows_P, D, F, link, backward=True, local_experts=e) * 1e3})
+    per_layer = pd.DataFrame(out)
+    n_layers = target.moe_layers if target and target.moe_layers else len(layers)
+    mean_layer = per_layer.groupby("layer").ms.sum().mean() if not per_layer.empty else 0.0
+    per_layer = pd.concat([per_layer, pd.DataFrame([{"layer": -1, "component": "moe", "pass": "all",
+                                                     "ms": mean_layer * n_layers}])], ignore_index=True)
+    per_layer["source"] = PROJECTED
+    per_layer["profile"] = profile.name
+    per_layer["target_model"] = target.name if target else str(run.model.iloc[0])
+    per_layer["target_moe_layers"] = n_layers
+    return per_layer
+
+
+def project_runs(df: pd.DataFrame, profile: Profile, target=None) -> pd.DataFrame:
+    """:func:`project_run` over every run in ``df`` whose world size the profile covers.
+
+    ``target``: None (each run's own model), a :class:`Target`, or ``"real"`` (the
+    paper model each proxy stands for). Adds the run's context columns.
+    """
+    from .summary import RUN_KEYS, SYSTEM_KEYS
+    frames = []
+    for run_dir, run in df.groupby("run_dir"):
+        P = int(run.world_size.iloc[0])
+        covered = P in profile.calibration if profile.calibration else P == profile.world_size
+        if not covered or not (run.metric == "bytes").any():
+            continue
+        tgt = target_model(real_model_of(str(run.model.iloc[0]))) if target == "real" else target
+        proj = project_run(run, profile, tgt)
+        for key in RUN_KEYS + SYSTEM_KEYS:
+            proj[key] = run[key].iloc[0]
+        proj["run_dir"] = run_dir
+        frames.append(proj)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def projected_totals(proj: pd.DataFrame) -> pd.DataFrame:
+    """One row per projected run: all-to-all and expert ms per MoE layer (mean over layers),
+    and the MoE total over the target's layers."""
+    if proj.empty:
+        return proj
+    keys = [c for c in proj.columns if c not in ("layer", "component", "pass", "ms")]
+    per_layer = proj[proj.layer >= 0]
+    a2a = per_layer[per_layer.component.str.startswith("a2a:")].groupby(keys + ["layer"], dropna=False).ms.sum() \
+        .groupby(keys, dropna=False).mean().rename("a2a_ms_per_layer")
+    exp = per_layer[per_layer.component == "experts"].groupby(keys + ["layer"], dropna=False).ms.sum() \
+        .groupby(keys, dropna=False).mean().rename("experts_ms_per_layer")
+    moe = proj[proj.component == "moe"].set_index(keys).ms.rename("moe_ms")
+    return pd.concat([a2a, exp, moe], axis=1).reset_index()
+
+
+# ---------------------------------------------------------------------------
+# checking the model against this machine
+# ---------------------------------------------------------------------------
+
+
+def check_against_measured(df: pd.DataFrame, profile: Profile) -> pd.DataFrame:
+    """Projected vs measured all-to-all (per phase and pass) and expert times of the
+    ``task=layer`` runs that timed collectives apart (``task.sync_collectives=true``:
+    they have ``a2a_wait`` rows, so ``a2a_time`` is the transfer, not the wait).
+
+    One row per (run, quantity): ``measured_ms`` (slowest rank, median over samples),
+    ``projected_ms``, ``error`` = projected / measured - 1. Quantity ``a2a_total`` is the
+    sum over the iteration's collectives.
+    """
+    rows = []
+    for run_dir, run in df[df.task == "layer"].groupby("run_dir"):
+        P = int(run.world_size.iloc[0])
+        if P < 2 or not (run.metric == "a2a_wait").any() or (profile.calibration and P not in profile.calibration):
+            continue
+        proj = project_run(run, profile)
+        ctx = {"run_dir": run_dir, "system": run.system.iloc[0], "world_size": P,
+               "top_k": int(run.top_k.iloc[0]), "routing": run.routing.iloc[0]}
+        meas_total, proj_total = 0.0, 0.0
+        for _, p in proj[proj.component.str.startswith("a2a:")].iterrows():
+            phase = p.component.split(":", 1)[1]
+            m = slowest_rank_ms(run, "a2a_time", phase, p["pass"]).get(run_dir, np.nan)
+            meas_total += m
+            proj_total += p.ms
+            rows.append({**ctx, "quantity": f"a2a {phase} {p['pass']}", "measured_ms": m, "projected_ms": p.ms})
+        rows.append({**ctx, "quantity": "a2a_total", "measured_ms": meas_total, "projected_ms": proj_total})
+        exp = proj[(proj.component == "experts") & (proj["pass"] == "forward")].ms.sum()
+        m = slowest_rank_ms(run, "time", "experts", "forward").get(run_dir, np.nan)
+        rows.append({**ctx, "quantity": "experts forward", "measured_ms": m, "projected_ms": exp})
+    out = pd.DataFrame(rows)
+    if not out.empty:
+        out["error"] = out.projected_ms / out.measured_ms - 1.0
+    return out

@@ -1,0 +1,78 @@
+"""A Hydra sweeper over a union of grids, for experiments whose points are not one
+Cartesian product (a figure that needs layer runs and prefill runs with
+different axes, or a study that gathers several figures).
+
+Hydra instantiates sweepers only from the ``hydra_plugins`` namespace package,
+hence this module's place (found on the repository root, where ``run.py``
+lives).
+
+In an experiment config:
+
+    hydra:
+      mode: MULTIRUN
+      sweeper:
+        _target_: hydra_plugins.occult_sweepers.grids_sweeper.GridsSweeper
+        params:
+          cluster: cpu4                    # no "/": shared by every grid
+          lcc/task: prefill                # "<grid>/<key>": grid "lcc" only
+          lcc/task.save_routing: "true"
+          ct/task: layer
+          ct/model.top_k: 1,2,4,8
+
+Each grid is the Cartesian product of the shared keys and its own keys (its
+own win). A command-line argument replaces its key in the grids that name
+the key, and joins every grid when no grid names it (so a reduced run such
+as ``python run.py experiment=X model.top_k=2`` shrinks only the grids that
+sweep top-k). Points that two grids share run once. Everything else
+(batching, launching, resume through ``run.py``) is Hydra's basic sweeper.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import List
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+
+class GridsSweeper(BasicSweeper):
+    """Hydra's basic sweeper, over the union of named grids (``<grid>/<key>`` params)."""
+
+    def _grids(self) -> "OrderedDict[str, dict]":
+        """{grid name: {key: value}}; shared keys go into every grid (name "" when no grid is named)."""
+        shared, grids = {}, OrderedDict()
+        for key, value in (self.params or {}).items():
+            grid, sep, name = str(key).partition("/")
+            if sep and grid and name:
+                grids.setdefault(grid, {})[name] = value
+            else:
+                shared[key] = value
+        if not grids:
+            grids[""] = {}
+        return OrderedDict((g, {**shared, **own}) for g, own in grids.items())
+
+    def _shared(self) -> dict:
+        """Params without a grid name: shared by every grid."""
+        return {k: v for k, v in (self.params or {}).items() if "/" not in str(k)}
+
+    def _parse_config(self) -> List[str]:
+        return []          # the grids are expanded in split_arguments
+
+    def split_arguments(self, overrides, max_batch_size):
+        """All points of every grid (command-line overrides last), deduplicated, in batches."""
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        grids = self._grids()
+        named = {k for g, params in grids.items() if g for k in params} - set(self._shared())
+        points, seen = [], set()
+        for params in grids.values():
+            mine = [o for o in overrides if o.get_key_element() not in named or o.get_key_element() in params]
+            grid = parser.parse_overrides([f"{k}={v}" for k, v in params.items()]) + mine
+            for batch in BasicSweeper.split_arguments(grid, None):
+                for point in batch:
+                    key = tuple(sorted(point))
+                    if key not in seen:
+                        seen.add(key)
+                        points.append(point)
+        if max_batch_size is None or max_batch_size <= 0:
+            return [points]
+        return [points[i:i + max_batch_size] for i in range(0, len(points), max_batch_size)]

@@ -1,0 +1,365 @@
+"""analysis/: connected components, the cost model, projections, reports, sim clusters.
+
+No runs are started: results frames are synthetic, in the real schema
+(occult.records), and written where load_runs finds them.
+"""
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+from analysis import costmodel as cm
+from analysis.calibrate import fit_line, fit_points, profile_dict
+from analysis.figures import linear_fit, pearson, resolve_builders
+from analysis.lcc import component_growth, largest_component, token_counts, topk_from_logits, uniform_lcc_curve
+from analysis.report import write_report
+from occult.config import register
+from occult.records import make_frame, row, write_results
+from occult.validate import ConfigError, validate
+
+CONF = str(Path(__file__).resolve().parent.parent / "conf")
+register()
+
+
+# ---------------------------------------------------------------------------
+# largest connected component
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ids, E, expected", [
+    ([[0, 1], [2, 3]], 6, 2),                       # two edges, apart
+    ([[0, 1], [1, 2], [3, 4]], 6, 3),               # a path 0-1-2
+    ([[0, 1, 2], [2, 3, 4], [5, 6, 7]], 8, 5),      # top-3 cliques sharing expert 2
+    ([[0, 5], [1, 4], [5, 1]], 6, 4),               # 0-5-1-4 joined by the last token
+    ([[3, 3]], 4, 1),                               # a repeated id is not an edge
+    (np.zeros((0, 2), dtype=int), 5, 1),            # no tokens: singletons
+])
+def test_largest_component_on_hand_graphs(ids, E, expected):
+    assert largest_component(np.asarray(ids), E) == expected
+
+
+def test_component_growth_follows_prefixes():
+    ids = np.array([[0, 1], [2, 3], [1, 2], [4, 5], [3, 4]])
+    assert component_growth(ids, 8, [1, 2, 3, 4, 5]) == {1: 2, 2: 2, 3: 4, 4: 4, 5: 6}
+    assert token_counts(5) == [1, 2, 4, 5] and token_counts(8) == [1, 2, 4, 8]
+
+
+def test_largest_component_rejects_bad_ids():
+    with pytest.raises(ValueError, match="outside"):
+        largest_component(np.array([[0, 9]]), 4)
+
+
+def test_topk_from_logits_and_uniform_curve():
+    logits = np.array([[0.1, 3.0, 2.0, -1.0], [5.0, 0.0, 1.0, 2.0]])
+    assert topk_from_logits(logits, 2).tolist() == [[1, 2], [0, 3]]
+    curve = uniform_lcc_curve(16, 2, [1, 64], draws=3, seed=0)
+    assert (curve[curve.tokens == 1].lcc == 2).all()
+    assert (curve[curve.tokens == 64].lcc > 2).all() and (curve.lcc <= 16).all()
+
+
+# ---------------------------------------------------------------------------
+# cost model
+# ---------------------------------------------------------------------------
+
+def test_a2a_time_on_a_hand_example():
+    link = cm.Link(intra_latency_s=10e-6, intra_Bps=1e9)
+    bytes_PP = np.array([[7e6, 1e6], [5e5, 9e6]])        # the diagonal stays home: free
+    # rank 0 sends 1 MB, receives 0.5 MB; rank 1 sends 0.5 MB, receives 1 MB -> 1 ms + 10 us
+    assert cm.a2a_seconds(bytes_PP, link) == pytest.approx(1e-3 + 10e-6)
+    assert cm.a2a_seconds(bytes_PP, link, calls=3) == pytest.approx(1e-3 + 30e-6)
+    assert cm.a2a_seconds(np.zeros((1, 1)), link) == 0.0
+
+
+def test_a2a_time_across_nodes_uses_the_nic_share():
+    # 4 ranks, 2 per node: intra 10 GB/s; one 1 GB/s NIC per node shared by 2 devices -> 0.5 GB/s
+    prof = cm.profile_from_dict({"name": "t", "simulated": True, "world_size": 4, "devices_per_node": 2,
+                                 "intra_node_GBps": 10.0, "intra_node_latency_us": 5.0, "inter_node_GBps": 1.0,
+                                 "nics_per_node": 1, "inter_node_latency_us": 20.0, "device_TFLOPs": 1.0,
+                                 "dtype": "bfloat16"})
+    link = prof.at(4)
+    bytes_PP = np.zeros((4, 4))
+    bytes_PP[0, 1] = 1e7            # intra: 1 ms
+    bytes_PP[0, 2] = 1e6            # inter: 2 ms (the slower link of rank 0)
+    assert cm.a2a_seconds(bytes_PP, link) == pytest.approx(20e-6 + 2e-3)
+    # experts: 6 D F FLOPs per row forward, 12 backward, at 1 TFLOP/s
+    assert cm.expert_seconds([100, 300], 64, 32, link) == pytest.approx(6 * 300 * 64 * 32 / 1e12)
+    assert cm.expert_seconds([300], 64, 32, link, backward=True) == pytest.approx(12 * 300 * 64 * 32 / 1e12)
+    with pytest.raises(ValueError, match="world_size=4"):
+        prof.at(8)
+
+
+def test_efficiency_scales_the_link():
+    prof = cm.profile_from_dict({"name": "t", "simulated": True, "world_size": 2, "intra_node_GBps": 10.0,
+                                 "link_efficiency": 0.5, "device_TFLOPs": 2.0, "compute_efficiency": 0.25,
+                                 "dtype": "bfloat16"})
+    assert prof.at(2).intra_Bps == pytest.approx(5e9) and prof.at(2).flops == pytest.approx(0.5e12)
+
+
+def test_every_sim_profile_loads():
+    names = cm.available_profiles()
+    assert {"sim_a6000x4", "sim_a6000x8", "sim_a6000x16", "sim_h100x8", "sim_h100x2node",
+            "sim_h100x8node"} <= set(names)
+    for name in names:
+        p = cm.load_profile(name)
+        assert p.name == name and p.source
+
+
+def test_calibration_fit_recovers_a_line():
+    a, b = fit_line([0, 1e6, 2e6, 4e6], [0.5, 1.5, 2.5, 4.5])
+    assert a == pytest.approx(0.5) and b == pytest.approx(1e-6)
+
+
+# ---------------------------------------------------------------------------
+# synthetic runs in the results schema
+# ---------------------------------------------------------------------------
+
+def _context(system, model, task, P, E, K, D, F, routing="uniform", T=64):
+    return {"run_id": f"t/{system}/{model}/{task}/{P}/{K}/{routing}", "experiment": "synthetic",
+            "system": system, "impl": "harness", "model": model, "task": task, "cluster": f"cpu{P}",
+            "world_size": P, "num_experts": E, "top_k": K, "hidden_size": D, "expert_ffn_size": F,
+            "tokens_per_rank": T, "routing": routing, "batch_size": 2, "seq_len": 32, "seed": 0}
+
+
+def _comm_rows(P, rows_per_peer, D, layers=(0,), directions=("forward", "backward")):
+    out = []
+    for layer in layers:
+        for direction in directions:
+            for phase in ("dispatch", "combine"):
+                for s in range(P):
+                    for d in range(P):
+                        common = dict(layer=layer, rank=s, phase=phase, direction=direction, src_rank=s, dst_rank=d)
+                        out += [row("rows", rows_per_peer, "rows", **common),
+                                row("bytes", rows_per_peer * D * 4, "bytes", **common)]
+    return out
+
+
+def layer_run(system, P, K, ct, a2a_ms, rows_per_peer, E=16, D=32, F=16, T=64, routing="uniform"):
+    rows = _comm_rows(P, rows_per_peer, D)
+    for s in range(3):
+        for r in range(P):
+            for direction in ("forward", "backward"):
+                for phase in ("dispatch", "combine"):
+                    rows.append(row("a2a_time", a2a_ms * (1 + 0.01 * s), "ms", layer=0, rank=r, phase=phase,
+                                    direction=direction, sample=s))
+                    rows.append(row("a2a_wait", 0.1, "ms", layer=0, rank=r, phase=phase, direction=direction,
+                                    sample=s))
+            for phase, ms in (("route", 0.5), ("dispatch", a2a_ms), ("experts", 2.0), ("combine", a2a_ms)):
+                rows.append(row("time", ms, "ms", layer=0, rank=r, phase=phase, direction="forward", sample=s))
+            for direction, ms in (("forward", 4 * a2a_ms + 3), ("backward", 4 * a2a_ms + 5),
+                                  ("forward+backward", 8 * a2a_ms + 8)):
+                rows.append(row("time", ms, "ms", layer=0, rank=r, phase="layer", direction=direction, sample=s))
+    for r in list(range(P)) + [-1]:
+        rows.append(row("tokens", T * (P if r == -1 else 1), "tokens", layer=0, rank=r))
+    rows += [row("ct_all", ct, "devices/token", layer=0), row("ct_remote", ct - 0.5, "devices/token", layer=0),
+             row("intra_ratio", 0.2, "ratio", layer=0),
+             row("rows_per_token", ct, "rows/token", layer=0, phase="dispatch", direction="forward")]
+    return make_frame(rows, _context(system, "layer_small", "layer", P, E, K, D, F, routing, T))
+
+
+def prefill_run(system, ttft_ms, rows_per_peer, P=4, E=16, K=4, D=32, F=16):
+    rows = _comm_rows(P, rows_per_peer, D, layers=(0, 1), directions=("forward",))
+    for s in range(2):
+        rows.append(row("ttft", ttft_ms * (1 + 0.02 * s), "ms", phase="prefill", sample=s))
+        rows.append(row("tokens_per_s", 1000.0 / ttft_ms, "tokens/s", phase="prefill", sample=s))
+        for r in range(P):
+            for layer in (0, 1):
+                rows.append(row("a2a_time", 1.0, "ms", layer=layer, rank=r, phase="dispatch",
+                                direction="forward", sample=s))
+    for layer in (0, 1):
+        rows.append(row("tokens", 64 * P, "tokens", layer=layer, rank=-1))
+        rows.append(row("ct_all", 2.0, "devices/token", layer=layer))
+    return make_frame(rows, _context(system, "olmoe_proxy", "prefill", P, E, K, D, F))
+
+
+def calibration_run(P):
+    rows = []
+    for i, b in enumerate((0, 1 << 20, 4 << 20)):
+        rows.append(row("calib_bytes", b, "bytes", layer=i))
+        for r in range(P):
+            for s in range(3):
+                rows.append(row("calib_a2a_time", 0.5 + b / 1e6, "ms", layer=i, rank=r, sample=s))
+    for i, n in enumerate((512, 4096)):
+        rows.append(row("calib_expert_rows", n, "rows", layer=i))
+        rows.append(row("calib_local_experts", 16 // P, "experts", layer=i))
+        for r in range(P):
+            rows.append(row("calib_expert_time", 1.0 + n / 1000, "ms", layer=i, rank=r))
+    ctx = _context("naive", "layer_small", "calibrate", P, 16, 2, 32, 16)
+    return make_frame(rows, ctx)
+
+
+def write_trace(run_dir: Path, E=16, K=4, P=4, T=64, layers=(0, 1), seed=0):
+    """routing.parquet + router_logits.npz as occult.tasks.traces writes them."""
+    g = np.random.default_rng(seed)
+    frames, logits = [], {}
+    for layer in layers:
+        lg = g.normal(size=(P * T, E)).astype(np.float32)
+        lg[:, :4] += 1.5                                   # a few popular experts
+        logits[f"layer_{layer}"] = lg
+        ids = topk_from_logits(lg, K)
+        for rank in range(P):
+            block = ids[rank * T:(rank + 1) * T]
+            frames.append(pd.DataFrame({"layer": layer, "rank": rank, "token": np.repeat(np.arange(T), K),
+                                        "slot": np.tile(np.arange(K), T), "expert": block.flatten(),
+                                        "weight": np.full(T * K, 0.25)}))
+    pd.concat(frames).to_parquet(run_dir / "routing.parquet", index=False)
+    np.savez(run_dir / "router_logits.npz", **logits)
+
+
+@pytest.fixture
+def synthetic_sweep(tmp_path):
+    sweep = tmp_path / "sweep"
+    runs = {}
+    for system, rows_per_peer, scale in (("naive", 64, 1.0), ("occult", 30, 0.6)):
+        for K, ct in ((2, 1.6), (4, 2.5), (8, 3.4)):
+            runs[f"{system}_k{K}"] = layer_run(system, 4, K, ct * (1 if system == "occult" else K / ct),
+                                               a2a_ms=scale * ct, rows_per_peer=rows_per_peer * K // 8)
+        runs[f"{system}_p2"] = layer_run(system, 2, 8, 1.9, a2a_ms=scale * 2, rows_per_peer=rows_per_peer)
+        runs[f"{system}_prefill"] = prefill_run(system, 100.0 * scale, rows_per_peer)
+    runs["tutel_prefill"] = prefill_run("tutel", 300.0, 80)
+    runs["cal4"] = calibration_run(4)
+    runs["cal2"] = calibration_run(2)
+    for name, df in runs.items():
+        write_results(df, sweep / name)
+    write_trace(sweep / "naive_prefill")
+    return sweep
+
+
+# ---------------------------------------------------------------------------
+# projections and reports
+# ---------------------------------------------------------------------------
+
+def test_projection_of_a_run_by_hand(tmp_path):
+    run = layer_run("naive", 2, 8, 1.9, a2a_ms=1.0, rows_per_peer=100, D=32)
+    run["run_dir"] = "r"
+    prof = cm.profile_from_dict({"name": "t", "simulated": True, "world_size": 2, "intra_node_GBps": 1.0,
+                                 "intra_node_latency_us": 10.0, "device_TFLOPs": 1.0, "dtype": "bfloat16"})
+    proj = cm.project_run(run, prof)
+    # each phase: every rank sends 100 rows x 32 x 4 bytes to the one other rank
+    a2a = proj[proj.component == "a2a:dispatch"].ms.iloc[0]
+    assert a2a == pytest.approx((10e-6 + 100 * 32 * 4 / 1e9) * 1e3)
+    # re-sized to a target width in bfloat16: rows x 2048 x 2 bytes
+    wide = cm.project_run(run, prof, cm.Target("wide", 2048, 1024, 16))
+    assert wide[wide.component == "a2a:dispatch"].ms.iloc[0] == pytest.approx((10e-6 + 100 * 2048 * 2 / 1e9) * 1e3)
+    # experts: T x K rows per rank (balanced), 6 D F each
+    exp = proj[(proj.component == "experts") & (proj["pass"] == "forward")].ms.iloc[0]
+    assert exp == pytest.approx(6 * 64 * 8 * 32 * 16 / 1e12 * 1e3)
+    assert (proj.source == "projected").all()
+    total = proj[proj.component == "moe"].ms.iloc[0]
+    assert wide[wide.component == "moe"].target_moe_layers.iloc[0] == 16 and total > 0
+
+
+def test_projected_rows_are_labelled(synthetic_sweep):
+    from analysis.load import load_runs
+    df = load_runs(synthetic_sweep)
+    proj = cm.project_runs(df, cm.load_profile("sim_a6000x4"), target="real")
+    assert not proj.empty and set(proj.source) == {"projected"}
+    assert set(proj.target_model) >= {"olmoe"}                     # olmoe_proxy -> olmoe
+    totals = cm.projected_totals(proj)
+    assert set(totals.source) == {"projected"} and (totals.moe_ms > 0).all()
+
+
+def test_cost_model_check_against_synthetic_measurements(synthetic_sweep):
+    from analysis.figures import cpu_profile
+    from analysis.load import load_runs
+    df = load_runs(synthetic_sweep)
+    profile, where = cpu_profile(df)
+    assert "calibration runs" in where and sorted(profile.calibration) == [2, 4]
+    chk = cm.check_against_measured(df, profile)
+    assert set(chk.world_size) == {2, 4} and "a2a_total" in set(chk.quantity)
+    assert np.isfinite(chk.error).all()
+
+
+def test_calibration_points_from_rows():
+    df = calibration_run(4)
+    df["run_dir"] = "c"
+    (pt,) = fit_points(df)
+    assert pt["world_size"] == 4 and pt["latency_us"] == pytest.approx(500, rel=1e-6)
+    assert pt["GBps"] == pytest.approx(1.0, rel=1e-6)                     # 1 ms per MB
+    assert pt["TFLOPs"] > 0 and pt["expert_call_us"] >= 0
+    assert cm.profile_from_dict(profile_dict([pt], "test")).at(4).intra_Bps == pytest.approx(1e9, rel=1e-6)
+
+
+def test_report_writes_tables_and_figures(synthetic_sweep, tmp_path, monkeypatch):
+    monkeypatch.setattr("analysis.figures.LCC_DRAWS", 4)
+    out = tmp_path / "report"
+    path = write_report([synthetic_sweep], out,
+                        builders="fig3_lcc,fig8_pattern,table1_ct_runtime,fig1_latency,fig12_scaling")
+    text = path.read_text()
+    for title in ("Fig. 3", "Fig. 8", "Table 1", "Fig. 1", "Fig. 12", "Cost model vs this machine"):
+        assert f"## {title}" in text, title
+    assert "not drawn" not in text
+    for stem in ("fig3_lcc", "fig8_pattern", "table1_ct_runtime", "fig1_latency", "fig12_scaling",
+                 "costmodel_check"):
+        assert (out / f"{stem}.png").is_file() and (out / f"{stem}.pdf").is_file(), stem
+        assert f"]({stem}.png)" in text
+    assert "| projected" in text and "2.7-8.7x" in text                  # labelled; paper quoted
+    fits = pd.read_csv(out / "table1_fit.csv")
+    occ = fits[(fits.system == "occult") & (fits.cluster == "cpu4") & (fits.y == "all-to-all, forward (ms)")]
+    assert occ.pearson_r.iloc[0] == pytest.approx(1.0, abs=1e-3)        # synthetic: a2a = 0.6 C_T
+    proj = pd.read_csv(out / "fig1_projected.csv")
+    assert set(proj.source) == {"projected"}
+
+
+def test_report_reads_builders_from_the_sweep_config(tmp_path):
+    from analysis.report import builders_of
+    (tmp_path / "multirun.yaml").write_text("experiment_name: x\nreport: table1_ct_runtime,fig3_lcc\n")
+    assert builders_of([tmp_path]) == "table1_ct_runtime,fig3_lcc"
+    assert builders_of([tmp_path / "elsewhere"]) == ""
+
+
+def test_unknown_builder_names_the_choices():
+    with pytest.raises(ValueError, match="fig3_lcc"):
+        resolve_builders("fig99")
+    assert len(resolve_builders("analysis.figures.fig3_lcc, table1_ct_runtime")) == 2
+
+
+def test_fit_helpers():
+    assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    assert np.isnan(pearson([1, 2], [1, 2]))
+    assert linear_fit([0, 1, 2], [1, 3, 5]) == pytest.approx((2.0, 1.0))
+
+
+# ---------------------------------------------------------------------------
+# sim clusters are refused as runs; the grids sweeper expands unions
+# ---------------------------------------------------------------------------
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("name", cm.available_profiles())
+def test_sim_clusters_are_refused(name):
+    cfg = _cfg(f"cluster={name}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ConfigError, match=rf"cluster={name} is a projection profile.*"
+                                              rf"python -m analysis.project RUN_DIRS --cluster {name}"):
+            validate(cfg)
+
+
+def test_experiments_compose():
+    for name in ("fig1_latency", "fig3_lcc", "table1_ct_runtime", "fig8_pattern", "fig12_scaling",
+                 "default_study"):
+        cfg = _cfg(f"experiment={name}")
+        assert cfg.experiment_name == name and resolve_builders(cfg.report)
+
+
+def test_grids_sweeper_expands_a_union():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra_plugins.occult_sweepers.grids_sweeper import GridsSweeper
+
+    class Ctx:
+        config_loader = None
+
+    sw = GridsSweeper(max_batch_size=None, params={"cluster": "cpu4", "a/system": "naive,occult",
+                                                   "a/model.top_k": "2", "b/task": "prefill"})
+    sw.hydra_context = Ctx()
+    cli = OverridesParser.create().parse_overrides(["model.top_k=4,8", "seed=1"])
+    (points,) = sw.split_arguments(cli, None)
+    as_sets = [frozenset(p) for p in points]
+    assert frozenset({"cluster=cpu4", "system=naive", "model.top_k=4", "seed=1"}) in as_sets
+    assert frozenset({"cluster=cpu4", "task=prefill", "seed=1"}) in as_sets     # top_k only where swept
+    assert len(points) == 2 * 2 + 1
