@@ -193,7 +193,8 @@ def fig3_lcc(df: pd.DataFrame, out_dir: Path) -> list[Section]:
 # Table 1: C_T against measured all-to-all and layer time
 # ---------------------------------------------------------------------------
 
-T1_Y = {"a2a_fwd_ms": "all-to-all, forward (ms)", "a2a_fwd_bwd_ms": "all-to-all, fwd+bwd (ms)",
+T1_Y = {"remote_MB_per_rank": "remote bytes sent per rank, fwd (MB)",
+        "a2a_fwd_ms": "all-to-all, forward (ms)", "a2a_fwd_bwd_ms": "all-to-all, fwd+bwd (ms)",
         "layer_fwd_ms": "MoE layer, forward (ms)", "layer_fwd_bwd_ms": "MoE layer, fwd+bwd (ms)"}
 
 
@@ -221,7 +222,7 @@ def table1_ct_runtime(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             slope, icpt = linear_fit(g.ct_all, g[col])
             r = pearson(g.ct_all, g[col])
             fits.append({"system": system, "cluster": cluster, "y": label, "runs": int(g[col].notna().sum()),
-                         "slope (ms per device/token)": slope, "intercept (ms)": icpt, "pearson_r": r,
+                         "slope (y unit per device/token)": slope, "intercept (y unit)": icpt, "pearson_r": r,
                          "r2": r * r if np.isfinite(r) else np.nan})
     style()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -246,7 +247,8 @@ def table1_ct_runtime(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     text = ["Each point is one task=layer run: C_T (`ct_all`, mean distinct devices per token over all "
             "ranks) from its routing; times are the slowest rank per sample, median over samples, "
             "measured here (all collectives of the pass summed). The fit is least squares per system "
-            "and cluster; r is Pearson's correlation. Paper: a strong linear relation. Where C_T is varied "
+            "and cluster; r is Pearson's correlation (the bytes row is the machine-independent anchor: "
+            "what C_T predicts exactly). Paper: a strong linear relation. Where C_T is varied "
             "through top-k, the experts' work grows with K as well, so the layer-time fit includes that; "
             "the all-to-all fit is the one about communication."]
     return [Section(title, text, [("table1_fit", pd.DataFrame(fits)), ("table1_runs", runs)], figs)]
@@ -336,7 +338,8 @@ def fig1_latency(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             ax2.set_ylabel("projected time (ms)")
             ax2.set_xlabel("")
     handles = [plt.Rectangle((0, 0), 1, 1, color=pal[s]) for s in systems]
-    fig.legend(handles, systems, loc="upper center", ncol=len(systems), bbox_to_anchor=(0.5, 1.04))
+    fig.subplots_adjust(hspace=0.45, wspace=0.3)
+    fig.legend(handles, systems, loc="upper center", ncol=len(systems), bbox_to_anchor=(0.5, 1.0))
     figs = save(fig, Path(out_dir) / "fig1_latency")
     claims = []
     for label, other, task, paper in PAPER_CLAIMS:
