@@ -67,7 +67,7 @@ def cap_label(cap: Optional[float]) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _windows_forward(ctx, model, ids_N: torch.Tensor, seq_len: int, windows: list) -> dict:
+def _windows_forward(ctx, model, windows: list) -> dict:
     """Runs the rank model over ``windows`` (list of (x_BS, y_BS)); returns {layer: ids [T, K]}."""
     from occult.ep import Recorder
     from occult.ep.accounting import recording
@@ -114,8 +114,8 @@ def collect_traces(ctx, cfg) -> tuple[dict, dict, torch.Tensor]:
     if ctx.rank == 0:
         print(f"placement study: tracing {windows * t.seq_len} profiling and {held_N.numel() - 1} held-out "
               f"tokens per rank", flush=True)
-    profile_ids, _ = _gather_ids(ctx, _windows_forward(ctx, model, train_ids, t.seq_len, prof))
-    held_ids, held_home = _gather_ids(ctx, _windows_forward(ctx, model, held_N, t.seq_len, held))
+    profile_ids, _ = _gather_ids(ctx, _windows_forward(ctx, model, prof))
+    held_ids, held_home = _gather_ids(ctx, _windows_forward(ctx, model, held))
     return profile_ids, held_ids, held_home
 
 
