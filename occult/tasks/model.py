@@ -97,13 +97,19 @@ def _placements(cfg, ctx, model) -> dict:
     return {layer: found.get(layer, contiguous) for layer in range(cfg.model.num_layers)}
 
 
+def _serving_start(ctx, cfg_dict: dict):
+    """What prefill and decode start from: config, rank model, parity rows, this rank's
+    prompts [B, S] and a recorder."""
+    cfg = OmegaConf.create(cfg_dict)
+    model, tok, rows = setup(ctx, cfg)
+    x_BS = rank_batch(ctx, cfg, tok, cfg.task.batch_size, cfg.task.seq_len)
+    return cfg, model, rows, x_BS, Recorder(rank=ctx.rank, sync_collectives=cfg.task.sync_collectives)
+
+
 def prefill_rank(ctx, cfg_dict: dict) -> list:
     """task=prefill: one forward over B prompts of S tokens; time to first token."""
-    cfg = OmegaConf.create(cfg_dict)
+    cfg, model, rows, x_BS, rec = _serving_start(ctx, cfg_dict)
     t = cfg.task
-    model, tok, rows = setup(ctx, cfg)
-    x_BS = rank_batch(ctx, cfg, tok, t.batch_size, t.seq_len)
-    rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives)
     for it in range(t.warmup + t.iters):
         rec.clear()
         _barrier(ctx)
@@ -128,11 +134,8 @@ def prefill_rank(ctx, cfg_dict: dict) -> list:
 
 def decode_rank(ctx, cfg_dict: dict) -> list:
     """task=decode: greedy generation of N tokens with a KV cache after a prompt."""
-    cfg = OmegaConf.create(cfg_dict)
+    cfg, model, rows, x_BS, rec = _serving_start(ctx, cfg_dict)
     t = cfg.task
-    model, tok, rows = setup(ctx, cfg)
-    x_BS = rank_batch(ctx, cfg, tok, t.batch_size, t.seq_len)
-    rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives)
     for it in range(t.warmup + t.iters):
         rec.clear()
         _barrier(ctx)
