@@ -13,9 +13,11 @@ def system_configs() -> dict:
 
 
 def exact_systems() -> dict:
-    """Systems that claim exact top-k MoE with their default options: name -> (class path, options)."""
+    """Expert-parallel systems that claim exact top-k MoE with their default options:
+    name -> (class path, options). The reference (no dispatcher) is what they are checked against."""
     out = {}
     for name, cfg in system_configs().items():
-        if getattr(import_object(cfg["_target_"]), "exact", True):
+        cls = import_object(cfg["_target_"])
+        if getattr(cls, "exact", True) and getattr(cls, "expert_parallel", True):
             out[name] = (cfg["_target_"], system_options(cfg))
     return out

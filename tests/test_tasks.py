@@ -40,3 +40,24 @@ def test_tasks_write_their_figures_and_traces(tmp_path):
             reported = df[(df.metric == "ct_all") & (df["rank"] == -1) & (df.layer == layer)].value.item()
             assert ct_all(ids, Placement.contiguous(64, 2)) == pytest.approx(reported, abs=1e-12)
             assert logits[layer].shape == (ids.shape[0], 64)
+
+
+@pytest.mark.timeout(600)
+def test_reference_system_trains_like_expert_parallel_naive(tmp_path):
+    """system=reference (the transformers model on every rank, gradients averaged) and
+    naive EP start from the same weights and batches: the same loss on every rank before
+    and after an optimiser step, so both take the same step. The reference sends nothing."""
+    sweep = tmp_path / "sweep"
+    run_py("-m", "system=reference,naive", "model=olmoe_proxy", "task=train", "cluster=cpu2", *TINY,
+           "task.iters=2", f"hydra.sweep.dir={sweep}")
+    frames = {df.system.iloc[0]: df for df in map(pd.read_parquet, sweep.rglob("results.parquet"))}
+    assert set(frames) == {"reference", "naive"}
+    ref, naive = frames["reference"], frames["naive"]
+    assert set(ref.impl) == {"library"} and set(naive.impl) == {"harness"}
+
+    def losses(df):
+        return df[df.metric == "loss"].sort_values(["rank", "sample"]).value.to_numpy()
+
+    assert len(losses(ref)) == 4  # 2 ranks x 2 steps
+    assert losses(ref) == pytest.approx(losses(naive), rel=1e-4)
+    assert "rows" not in set(ref.metric) and "rows" in set(naive.metric)
