@@ -3,61 +3,46 @@
     python -m analysis.calibrate                       # P = 2, 4, 8; writes conf/cluster/sim_cpu_loopback.yaml
     python -m analysis.calibrate --world-sizes 2 4 --out /tmp/cpu.yaml
 
-For each world size P, P ranks (gloo on loopback, as every CPU run) time
-real ``all_to_all_single`` calls at a few message sizes (equal splits, after
-a barrier; per call the slowest rank, then the median over repetitions). As
-in a layer, every call follows a burst of compute (``WORK_MS`` of matmuls):
-with more ranks than cores, a rank that computed up to the barrier is often
-descheduled when the collective starts, and a tight loop of collectives
-would miss that cost. A line ``time = latency + bytes / bandwidth`` is
-fitted per P (``bytes``: what one rank sends to the others in one call, the
-quantity :mod:`analysis.costmodel` uses), on relative residuals, with
-latency and bandwidth kept positive.
+For each world size P, P ranks (gloo on loopback, as every CPU run) run the
+measurement of :mod:`occult.calibration`: equal-split all-to-alls at a few
+message sizes, each after a burst of compute and a barrier, and the grouped
+SwiGLU experts of task=layer's default width on the e = 64 / P local experts
+at two row counts. Here a line ``time = latency + bytes / bandwidth`` is
+fitted per P (per call the slowest rank, then the median over repetitions;
+``bytes``: what one rank sends to the others in one call, the quantity
+:mod:`analysis.costmodel` uses), on relative residuals, with latency and
+bandwidth kept positive; and ``time = e x per-expert overhead + FLOPs /
+throughput`` gives the matmul throughput and the per-expert call overhead
+(Python and small-GEMM cost, which a CPU pays per expert).
 
-Then, all ranks at once as in a real run, the grouped SwiGLU experts of
-task=layer's default width on the e = 64 / P local experts, at two row
-counts: ``time = e x per-expert overhead + FLOPs / throughput`` gives the
-matmul throughput and the per-expert call overhead (Python and small-GEMM
-cost, which a CPU pays per expert).
-
-The P ranks share the host's cores, so bandwidth and throughput depend on P:
-the profile keeps one fitted point per world size (``calibration``).
-
-The same measurement runs as a sweep point (``run_rank``: a task entry), so
-that an experiment calibrates under the load its own runs see:
+The P ranks share the host's cores, so bandwidth and throughput depend on P
+(and on the machine's load): the profile keeps one fitted point per world
+size (``calibration``). The same measurement runs as a sweep point
+(``run_rank``, a task entry) so that an experiment calibrates under the load
+its own runs see:
 
     task.name=calibrate task.entry=analysis.calibrate.run_rank task.check_parity=false
 
-Its rows: ``calib_bytes`` (bytes per rank of size index ``layer``),
-``calib_a2a_time`` (ms, per rank and repetition), ``calib_expert_rows``,
-``calib_local_experts`` and ``calib_expert_time`` (ms, per rank, of row-count
-index ``layer``); :func:`fit_points` turns them into profile points.
+and inside a task=layer run (``task.calibrate=true``), right before its timed
+iterations; :func:`fit_points` turns either's rows into profile points.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import platform
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
-import torch.distributed as dist
 
+from occult.calibration import FFN, HIDDEN, RANK_BYTES, calibration_rows
 from occult.dist import launch
-from occult.records import device_name, row
+from occult.records import device_name
 
 CONF_CLUSTER = Path(__file__).resolve().parent.parent / "conf" / "cluster"
 DEFAULT_PROFILE = CONF_CLUSTER / "sim_cpu_loopback.yaml"
-# bytes each rank sends to the other ranks together per call (the range task=layer moves:
-# 1 KiB rows, up to K x T = 4096 rows per rank), split equally over the peers
-RANK_BYTES = (0, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20)
-HIDDEN, FFN, EXPERTS = 256, 128, 64      # task=layer's default width (layer_small)
-EXPERT_ROWS = (512, 4096)               # rows per rank: T x K for K = 1 and 8 at T = 512
-WORK_MS = 5.0                           # compute before each timed collective
 
 
 def fit_line(x, y) -> tuple[float, float]:
@@ -73,73 +58,6 @@ def fit_line(x, y) -> tuple[float, float]:
     if b <= 0:                                  # latency only
         a, b = float(np.median(y)), 0.0
     return float(a), float(b)
-
-
-def _sent_bytes(rank_bytes: int, world_size: int) -> int:
-    """Bytes a rank really sends for a target of ``rank_bytes`` (whole float32 values per peer)."""
-    return rank_bytes // 4 // max(world_size - 1, 1) * 4 * (world_size - 1)
-
-
-def _busy(ms: float, a_NN: torch.Tensor) -> None:
-    """Matmuls for ``ms`` milliseconds (the compute a layer does between collectives)."""
-    end = time.perf_counter() + ms / 1e3
-    while time.perf_counter() < end:
-        a_NN @ a_NN
-
-
-def _time_a2a(ctx, rank_bytes: int, reps: int, work_ms: float = WORK_MS) -> list[float]:
-    """Seconds of ``reps`` equal-split all-to-alls sending ``rank_bytes`` to the peers together,
-    each after ``work_ms`` of compute and a barrier."""
-    P = ctx.world_size
-    n = rank_bytes // 4 // max(P - 1, 1)
-    send = torch.randn(n * P)
-    recv = torch.empty(n * P)
-    a_NN = torch.randn(128, 128)
-    out = []
-    for _ in range(reps + 1):                         # one warm-up call
-        _busy(work_ms, a_NN)
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_to_all_single(recv, send, [n] * P, [n] * P)
-        out.append(time.perf_counter() - t0)
-    return out[1:]
-
-
-def _grouped_seconds(local_experts: int, rows: int, reps: int) -> float:
-    """Median seconds of the shared grouped SwiGLU experts (occult.ep.experts) on ``rows``
-    rows spread evenly over ``local_experts`` experts."""
-    from occult.ep.experts import grouped_swiglu
-    g = torch.Generator().manual_seed(0)
-    e = local_experts
-    x = torch.randn(rows, HIDDEN, generator=g)
-    wg, wu = torch.randn(e, HIDDEN, FFN, generator=g), torch.randn(e, HIDDEN, FFN, generator=g)
-    wd = torch.randn(e, FFN, HIDDEN, generator=g)
-    counts = torch.full((e,), rows // e, dtype=torch.long)
-    counts[: rows - int(counts.sum())] += 1
-    took = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        grouped_swiglu(x, counts, wg, wu, wd)
-        took.append(time.perf_counter() - t0)
-    return float(np.median(took[1:]))
-
-
-def calibration_rows(ctx, sizes=RANK_BYTES, reps: int = 8) -> list:
-    """On every rank: all-to-all times per size, then the expert matmul rate (all ranks at once)."""
-    rows = []
-    for i, size in enumerate(sizes):
-        if ctx.rank == 0:
-            rows.append(row("calib_bytes", _sent_bytes(size, ctx.world_size), "bytes", layer=i))
-        for s, sec in enumerate(_time_a2a(ctx, size, reps)):
-            rows.append(row("calib_a2a_time", sec * 1e3, "ms", layer=i, rank=ctx.rank, sample=s))
-    dist.barrier()
-    e = max(EXPERTS // ctx.world_size, 1)
-    for i, n in enumerate(EXPERT_ROWS):
-        if ctx.rank == 0:
-            rows.append(row("calib_expert_rows", n, "rows", layer=i))
-            rows.append(row("calib_local_experts", e, "experts", layer=i))
-        rows.append(row("calib_expert_time", _grouped_seconds(e, n, reps) * 1e3, "ms", layer=i, rank=ctx.rank))
-    return rows
 
 
 def run_rank(ctx, cfg_dict: dict) -> list:

@@ -37,7 +37,9 @@ A profile for this machine (``sim_cpu_loopback``) is measured by
 :mod:`analysis.calibrate`: there the P ranks share the host's cores, so its
 latency, bandwidth and throughput are per world size. :func:`check_against_measured`
 compares its projections with the all-to-all and expert times that
-``task=layer`` runs measured.
+``task=layer`` runs measured, preferably with the calibration a run made of its
+own world just before timing (``task.calibrate=true``): the machine's load
+drifts over a sweep, and a profile fitted minutes earlier then misses it.
 """
 from __future__ import annotations
 
@@ -351,11 +353,24 @@ def projected_totals(proj: pd.DataFrame) -> pd.DataFrame:
 # ---------------------------------------------------------------------------
 
 
-def check_against_measured(df: pd.DataFrame, profile: Profile) -> pd.DataFrame:
+def own_profile(run: pd.DataFrame) -> Optional[Profile]:
+    """The loopback profile fitted to the calibration a run made of its own world right
+    before its timed iterations (``task.calibrate=true``), or None."""
+    if not run.metric.str.startswith("calib_").any():
+        return None
+    from .calibrate import fit_points, profile_dict
+    points = fit_points(run)
+    return profile_from_dict(profile_dict(points, "this run's own calibration")) if points else None
+
+
+def check_against_measured(df: pd.DataFrame, profile: Optional[Profile]) -> pd.DataFrame:
     """Projected vs measured all-to-all (per phase and pass) and expert times of the
     ``task=layer`` runs that timed collectives apart (``task.sync_collectives=true``:
     they have ``a2a_wait`` rows, so ``a2a_time`` is the transfer, not the wait).
 
+    A run that calibrated its own world first (``task.calibrate=true``) is projected
+    with that calibration (same load as its measurements; column ``calibration`` =
+    ``own run``), any other with ``profile`` (``sweep``; runs are skipped when it is None).
     One row per (run, quantity): ``measured_ms`` (slowest rank, median over samples),
     ``projected_ms``, ``error`` = projected / measured - 1. Quantity ``a2a_total`` is the
     sum over the iteration's collectives.
@@ -363,11 +378,16 @@ def check_against_measured(df: pd.DataFrame, profile: Profile) -> pd.DataFrame:
     rows = []
     for run_dir, run in df[df.task == "layer"].groupby("run_dir"):
         P = int(run.world_size.iloc[0])
-        if P < 2 or not (run.metric == "a2a_wait").any() or (profile.calibration and P not in profile.calibration):
+        if P < 2 or not (run.metric == "a2a_wait").any():
             continue
-        proj = project_run(run, profile)
+        run_profile, calibration = own_profile(run), "own run"
+        if run_profile is None:
+            run_profile, calibration = profile, "sweep"
+        if run_profile is None or (run_profile.calibration and P not in run_profile.calibration):
+            continue
+        proj = project_run(run, run_profile)
         ctx = {"run_dir": run_dir, "system": run.system.iloc[0], "world_size": P,
-               "top_k": int(run.top_k.iloc[0]), "routing": run.routing.iloc[0]}
+               "top_k": int(run.top_k.iloc[0]), "routing": run.routing.iloc[0], "calibration": calibration}
         meas_total, proj_total = 0.0, 0.0
         for _, p in proj[proj.component.str.startswith("a2a:")].iterrows():
             phase = p.component.split(":", 1)[1]

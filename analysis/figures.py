@@ -549,8 +549,6 @@ def costmodel_check(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     """Projected vs measured all-to-all and expert times of this sweep's task=layer runs."""
     title = "Cost model vs this machine"
     profile, where = cpu_profile(df)
-    if profile is None:
-        return []
     chk = cm.check_against_measured(df, profile)
     if chk.empty:
         return []
@@ -577,10 +575,16 @@ def costmodel_check(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     ax.legend(fontsize=7)
     figs = save(fig, Path(out_dir) / "costmodel_check")
     total = chk[chk.quantity == "a2a_total"]
-    text = [f"Loopback profile: {where}. For every task=layer run with task.sync_collectives=true (a2a_time "
-            "is then the transfer, after a barrier), the cost model projects each collective from the run's "
-            "own per-peer bytes and the profile's latency and bandwidth at the run's world size, and the "
-            "expert time from the run's FLOPs and the profile's measured matmul throughput. "
+    own = (chk.calibration == "own run").groupby(chk.run_dir).first()
+    source = (f"{int(own.sum())} of {len(own)} run(s) measured their own loopback right before timing "
+              "(task.calibrate=true: equal-split all-to-alls and expert matmuls, not the runs' own collectives) "
+              "and are projected with that calibration")
+    if (~own).any():
+        source += f"; the others with the loopback profile {where}"
+    text = [f"Loopback calibration: {source}. For every task=layer run with task.sync_collectives=true "
+            "(a2a_time is then the transfer, after a barrier), the cost model projects each collective from "
+            "the run's own per-peer bytes and the calibrated latency and bandwidth at the run's world size, "
+            "and the expert time from the run's FLOPs and the calibrated matmul throughput. "
             f"Target: all-to-all error below {CHECK_TARGET:.0%}. Median |error| of the iteration's "
             f"all-to-all total: {total.abs_error.median():.1%} over {len(total)} run(s); of single "
             f"collectives: {chk[chk.quantity.str.startswith('a2a ')].abs_error.median():.1%}."]

@@ -51,11 +51,21 @@ def overview(df: pd.DataFrame, out: Path) -> Section:
     if not lat.empty:
         tables.append(("task_latency", lat.drop(columns=["run_dir"]).dropna(axis=1, how="all")))
     text = [f"{table.shape[0]} run(s), {len(df)} result rows; machine: {df.device.iloc[0]}; commit "
-            f"{df.git_commit.iloc[0]}.",
+            f"{df.git_commit.iloc[0]}.{_wall_time(df)}",
             "Times are medians over timed samples of the slowest rank, in ms, measured on this machine: "
             "compare systems through the ratios, which were measured in the same sweep. C_T, rows and "
             "bytes come from the split sizes that went into the collectives."]
     return Section("Runs", text, tables, plot_phase_times(runs, out))
+
+
+def _wall_time(df: pd.DataFrame) -> str:
+    """' Points ran for N min ...' from the runs' ``run_wall_time`` rows ('' without them)."""
+    wall = df[df.metric == "run_wall_time"] if "metric" in df else df.iloc[:0]
+    if wall.empty:
+        return ""
+    n = wall.run_dir.nunique()
+    return (f" The {n} point(s) with a recorded wall time ran for {wall.value.sum() / 60:.1f} min in all "
+            "(start-up and any proxy pre-training included; reports and skipped points not).")
 
 
 def builders_of(paths) -> str:

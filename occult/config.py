@@ -50,6 +50,7 @@ class TaskConf:
     backward: bool = True
     check_parity: bool = True           # compare with the reference before timing
     sync_collectives: bool = False      # barrier before each collective: a2a_time = transfer only
+    calibrate: bool = False             # task=layer: measure the loopback first (cost-model check)
     expert_parallel_only: bool = False  # the task needs a dispatcher (task=layer)
     whole_model: bool = False           # the task runs a whole model (needs model.family)
     prepare: str = ""                   # dotted path run in the launching process first (pre-training)

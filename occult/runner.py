@@ -15,7 +15,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from .dist import launch
-from .records import has_results, make_frame, write_results
+from .records import has_results, make_frame, row, write_results
 from .validate import import_object, system_class, validate
 
 log = logging.getLogger("occult")
@@ -58,6 +58,8 @@ def run(cfg: DictConfig, out_dir) -> Path | None:
     if per_rank is None or per_rank[0] is None:       # a non-zero torchrun rank: rank 0 writes
         return None
     rows = [r for rank_rows in per_rank for r in rank_rows]
+    # the point's wall time here, start-up and any pre-training of a missing proxy included
+    rows.append(row("run_wall_time", time.perf_counter() - t0, "s"))
     df = make_frame(rows, run_context(cfg, impl))
     path = write_results(df, out_dir)
     (out_dir / ERROR_FILE).unlink(missing_ok=True)

@@ -271,6 +271,24 @@ def test_cost_model_check_against_synthetic_measurements(synthetic_sweep):
     assert np.isfinite(chk.error).all()
 
 
+def test_cost_model_check_uses_a_runs_own_calibration():
+    """A layer run with task.calibrate=true rows is projected with the line fitted to them
+    (0.5 ms + 1 ms per MB), not with the sweep's profile; by hand for one collective."""
+    own = layer_run("naive", 4, 8, 3.4, a2a_ms=1.0, rows_per_peer=64, D=32)
+    cal = calibration_run(4)
+    run = pd.concat([own, cal.assign(**{c: own[c].iloc[0] for c in ("task", "run_id")})], ignore_index=True)
+    run["run_dir"] = "own"
+    other = layer_run("naive", 4, 8, 3.4, a2a_ms=1.0, rows_per_peer=64, D=32)
+    other["run_dir"] = "other"
+    # no sweep profile: the run without its own calibration is not checked
+    chk = cm.check_against_measured(pd.concat([run, other], ignore_index=True), None)
+    assert set(chk.run_dir) == {"own"} and set(chk.calibration) == {"own run"}
+    one = chk[chk.quantity == "a2a dispatch forward"].iloc[0]
+    sent = 3 * 64 * 32 * 4                            # a rank sends 64 rows to each of 3 peers
+    assert one.projected_ms == pytest.approx(0.5 + sent / 1e6, rel=1e-6)
+    assert one.measured_ms == pytest.approx(1.01)     # median sample (1.00, 1.01, 1.02)
+
+
 def test_calibration_points_from_rows():
     df = calibration_run(4)
     df["run_dir"] = "c"

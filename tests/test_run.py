@@ -32,6 +32,9 @@ def test_multirun_two_points_and_load_runs(tmp_path):
     assert sorted(df.world_size.unique()) == [1, 2]
     assert {"ct_all", "rows", "bytes", "time", "a2a_time"} <= set(df.metric)
     assert (sweep / "report.md").is_file() and (sweep / "summary.csv").is_file()
+    wall = df[df.metric == "run_wall_time"].groupby("run_dir").value
+    assert (wall.size() == 1).all() and (wall.sum() > 0).all()   # one per point, in seconds
+    assert "point(s) with a recorded wall time ran for" in (sweep / "report.md").read_text()
     # a single run folder and a sweep folder mix
     single = tmp_path / "single"
     run_py("system=naive", "cluster=cpu1", *SMALL, f"out_dir={single}")

@@ -4,6 +4,9 @@ Weights are generated per expert from the seed, so a rank builds only the
 experts its placement gives it; tokens and synthetic routing are seeded per
 rank. Before anything is timed the system is checked against the
 single-device reference (task.check_parity). Every timed sample is kept.
+With ``task.calibrate=true`` the ranks first measure their loopback
+(:mod:`occult.calibration`), so that the cost model can be checked against
+this run with a calibration taken under the same load.
 
 Shapes: T tokens per rank, D hidden, F expert FFN, E experts, K top-k.
 """
@@ -68,6 +71,10 @@ def run_rank(ctx, cfg_dict: dict) -> list:
     if t.check_parity:
         rows += parity_gate(ctx, OmegaConf.to_container(cfg.system), m.num_experts, m.top_k, t.routing,
                             placement)
+    if t.calibrate and ctx.world_size > 1:
+        # this world's loopback under the load the timed iterations will see
+        from ..calibration import calibration_rows
+        rows += calibration_rows(ctx)
     x_TD, ids_TK, grad_TD = make_inputs(ctx, cfg)
     rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives)
     for it in range(t.warmup + t.iters):

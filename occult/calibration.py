@@ -1,0 +1,102 @@
+"""Measuring this machine's loopback inside a world of P ranks: the inputs of the cost model.
+
+Equal-split ``all_to_all_single`` calls at a few message sizes (each after a
+burst of compute and a barrier, as in a layer: with more ranks than cores a
+rank that computed up to the barrier is often descheduled when the collective
+starts, which a tight loop of collectives would miss), then the shared grouped
+SwiGLU experts at two row counts, all ranks at once. :mod:`analysis.calibrate`
+fits a latency/bandwidth line and a matmul rate to these rows.
+
+Runs as its own sweep point (``analysis.calibrate.run_rank``) or inside a
+``task=layer`` run (``task.calibrate=true``), right before the timed
+iterations, so that the check of the cost model sees the load its
+measurements saw.
+
+Rows: ``calib_bytes`` (bytes per rank of size index ``layer``),
+``calib_a2a_time`` (ms, per rank and repetition), ``calib_expert_rows``,
+``calib_local_experts`` and ``calib_expert_time`` (ms, per rank, of row-count
+index ``layer``).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .records import row
+
+# bytes each rank sends to the other ranks together per call (the range task=layer moves:
+# 1 KiB rows, up to K x T = 4096 rows per rank), split equally over the peers
+RANK_BYTES = (0, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20)
+HIDDEN, FFN, EXPERTS = 256, 128, 64      # task=layer's default width (layer_small)
+EXPERT_ROWS = (512, 4096)               # rows per rank: T x K for K = 1 and 8 at T = 512
+WORK_MS = 5.0                           # compute before each timed collective
+
+
+def _sent_bytes(rank_bytes: int, world_size: int) -> int:
+    """Bytes a rank really sends for a target of ``rank_bytes`` (whole float32 values per peer)."""
+    return rank_bytes // 4 // max(world_size - 1, 1) * 4 * (world_size - 1)
+
+
+def _busy(ms: float, a_NN: torch.Tensor) -> None:
+    """Matmuls for ``ms`` milliseconds (the compute a layer does between collectives)."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        a_NN @ a_NN
+
+
+def _time_a2a(ctx, rank_bytes: int, reps: int, work_ms: float = WORK_MS) -> list[float]:
+    """Seconds of ``reps`` equal-split all-to-alls sending ``rank_bytes`` to the peers together,
+    each after ``work_ms`` of compute and a barrier."""
+    P = ctx.world_size
+    n = rank_bytes // 4 // max(P - 1, 1)
+    send = torch.randn(n * P)
+    recv = torch.empty(n * P)
+    a_NN = torch.randn(128, 128)
+    out = []
+    for _ in range(reps + 1):                         # one warm-up call
+        _busy(work_ms, a_NN)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(recv, send, [n] * P, [n] * P)
+        out.append(time.perf_counter() - t0)
+    return out[1:]
+
+
+def _grouped_seconds(local_experts: int, rows: int, reps: int) -> float:
+    """Median seconds of the shared grouped SwiGLU experts (occult.ep.experts) on ``rows``
+    rows spread evenly over ``local_experts`` experts."""
+    from occult.ep.experts import grouped_swiglu
+    g = torch.Generator().manual_seed(0)
+    e = local_experts
+    x = torch.randn(rows, HIDDEN, generator=g)
+    wg, wu = torch.randn(e, HIDDEN, FFN, generator=g), torch.randn(e, HIDDEN, FFN, generator=g)
+    wd = torch.randn(e, FFN, HIDDEN, generator=g)
+    counts = torch.full((e,), rows // e, dtype=torch.long)
+    counts[: rows - int(counts.sum())] += 1
+    took = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        grouped_swiglu(x, counts, wg, wu, wd)
+        took.append(time.perf_counter() - t0)
+    return float(np.median(took[1:]))
+
+
+def calibration_rows(ctx, sizes=RANK_BYTES, reps: int = 8) -> list:
+    """On every rank: all-to-all times per size, then the expert matmul rate (all ranks at once)."""
+    rows = []
+    for i, size in enumerate(sizes):
+        if ctx.rank == 0:
+            rows.append(row("calib_bytes", _sent_bytes(size, ctx.world_size), "bytes", layer=i))
+        for s, sec in enumerate(_time_a2a(ctx, size, reps)):
+            rows.append(row("calib_a2a_time", sec * 1e3, "ms", layer=i, rank=ctx.rank, sample=s))
+    dist.barrier()
+    e = max(EXPERTS // ctx.world_size, 1)
+    for i, n in enumerate(EXPERT_ROWS):
+        if ctx.rank == 0:
+            rows.append(row("calib_expert_rows", n, "rows", layer=i))
+            rows.append(row("calib_local_experts", e, "experts", layer=i))
+        rows.append(row("calib_expert_time", _grouped_seconds(e, n, reps) * 1e3, "ms", layer=i, rank=ctx.rank))
+    return rows
