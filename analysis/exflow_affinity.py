@@ -179,7 +179,14 @@ def exflow_affinity(df: pd.DataFrame, out_dir) -> list:
             "ExFlow's paper reports up to 67 % less cross-GPU routing latency from this placement "
             "(GPT MoE, 8 to 64 experts); quoted, not reproduced here."]
     figures = plot_affinity(table, Path(out_dir))
+    print_summary(table)
     return [Section(title, text, [("exflow_affinity_summary", table[SHOWN])], figures)]
+
+
+def print_summary(table: pd.DataFrame) -> None:
+    """The before/after cross-device hop fractions, on stdout (the experiment's console)."""
+    print("ExFlow affinity placement: cross-device share of hops between consecutive MoE layers", flush=True)
+    print(table[SHOWN].to_string(index=False, float_format=lambda v: f"{v:.3f}"), flush=True)
 
 
 def main(argv=None) -> None:
@@ -200,7 +207,7 @@ def main(argv=None) -> None:
     if table.empty:
         raise SystemExit(f"no run with a routing trace under {args.paths} (run a prefill with task.save_routing=true)")
     plot_affinity(table, out)
-    print(table[SHOWN].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print_summary(table)
 
 
 if __name__ == "__main__":

@@ -28,13 +28,14 @@ the held-out ids. Written into the run folder:
   profiling C_T among the optimisers that meet the cap on the profiling set), an artifact
   for ``system=occult_placed system.placement_file=...``.
 
-**Pruning accuracy** (``python run.py experiment=pruning_accuracy``): a sweep of
+**Pruning accuracy** (``python run.py experiment=fig7_pruning``): a sweep of
 ``task=finetune`` over arms (``conf/arm``): no fine-tuning, standard fine-tuning, and
 score / similarity pruning at N_d' = 1, 2, 4 (``experiment=pruning_no_finetune`` adds
 pruning at N_d' = 1, 2 without fine-tuning, into the same folder). At the end of a sweep the
 :class:`AccuracyTable` callback writes ``accuracy.csv`` and ``accuracy.md`` into the sweep
-folder (:func:`accuracy_table`); ``python -m analysis.studies accuracy <sweep folder>``
-rebuilds them.
+folder (:func:`accuracy_table`; ``python -m analysis.studies accuracy <sweep folder>``
+rebuilds them) and the report builder :func:`fig7_pruning` draws the figure into
+``report.md``.
 
 Shapes: T tokens, K top-k, E experts, P devices.
 """
@@ -328,11 +329,15 @@ def _budget(run_dir: Path) -> Optional[int]:
 
 
 def accuracy_table(sweep_dir) -> pd.DataFrame:
-    """One row per finetune run of the sweep: arm, held-out loss / perplexity / accuracy on
-    each domain, mean C_T (over MoE layers) on each domain and over both."""
+    """:func:`accuracy_frame` of a sweep folder's runs."""
     from analysis.load import load_runs
 
-    df = load_runs([sweep_dir])
+    return accuracy_frame(load_runs([sweep_dir]))
+
+
+def accuracy_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per finetune run of ``df``: arm, held-out loss / perplexity / accuracy on
+    each domain, mean C_T (over MoE layers) on each domain and over both."""
     df = df[df.task == "finetune"]
     out = []
     for run_dir, run in df.groupby("run_dir"):
@@ -365,8 +370,60 @@ def write_accuracy_table(sweep_dir) -> Path:
     return sweep_dir / "accuracy.csv"
 
 
+FIG7_METHODS = {"score": "routing-score pruning", "similarity": "similarity pruning"}
+
+
+def fig7_pruning(df: pd.DataFrame, out_dir) -> list:
+    """Report builder (``report: analysis.studies.fig7_pruning``), Occult Fig. 7 in shape:
+    held-out loss and accuracy on the fine-tuned domain, and the C_T measured while
+    evaluating, against the device budget N_d', for score and similarity pruning, with
+    standard and no fine-tuning as reference lines."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    from .figures import Section
+    from .plots import save, style
+
+    title = "Fig. 7: collaboration pruning, accuracy and C_T vs device budget"
+    table = accuracy_frame(df)
+    if table.empty:
+        return [Section(title, ["Not drawn: no task=finetune runs."])]
+    domain = next((c[:-len("_loss")] for c in table.columns if c.endswith("_loss") and c != "shakespeare_loss"),
+                  "shakespeare")
+    tuned = table[table.steps > 0]
+    pruned = tuned[tuned.budget.notna()].assign(
+        method=lambda t: t.arm.str.split("_").str[0].map(FIG7_METHODS), budget=lambda t: t.budget.astype(int))
+    lines = {"standard fine-tuning": tuned[tuned.arm == "standard"], "no fine-tuning": table[table.arm == "no_finetune"]}
+    style()
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    for ax, col, label in zip(axes, (f"{domain}_loss", f"{domain}_accuracy", "ct_all"),
+                              (f"held-out loss on {domain} (nats/token)", f"next-token accuracy on {domain}",
+                               "C_T while evaluating (devices/token)")):
+        if not pruned.empty:
+            sns.lineplot(data=pruned, x="budget", y=col, hue="method", style="method", markers=True, dashes=False,
+                         ax=ax, hue_order=list(FIG7_METHODS.values()))
+        for (name, ref), ls in zip(lines.items(), ("--", ":")):
+            if ref.empty:
+                continue
+            if name == "no fine-tuning" and col != "ct_all":   # far off the pruning scale: named, not drawn
+                ax.plot([], [], " ", label=f"{name}: {ref[col].mean():.3f} (off the axis)")
+            else:
+                ax.axhline(ref[col].mean(), color="k", ls=ls, lw=1, label=name)
+        ax.set_xlabel("device budget N_d' (devices per token)")
+        ax.set_ylabel(label)
+        ax.set_xticks(sorted(pruned.budget.unique()) if not pruned.empty else [])
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    figs = save(fig, Path(out_dir) / "fig7_pruning")
+    text = [f"One fine-tuning run per arm (same steps, frozen set and batches) on the {domain} domain; loss and "
+            "accuracy on its held-out split; C_T measured during that evaluation. Occult reports that pruning "
+            "to 2 devices keeps standard fine-tuning's accuracy and that similarity pruning beats score "
+            "pruning (SPEC.md); compare the lines here, which are one seed of a CPU proxy."]
+    return [Section(title, text, [("fig7_pruning", table)], figs)]
+
+
 class AccuracyTable(Callback):
-    """Hydra callback closing the pruning_accuracy sweep: writes accuracy.csv / .md."""
+    """Hydra callback closing the fig7_pruning sweep: writes accuracy.csv / .md."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -378,7 +435,7 @@ class AccuracyTable(Callback):
 def main() -> None:
     ap = argparse.ArgumentParser(description="Rebuild a study's table from its run folders.")
     ap.add_argument("study", choices=["accuracy"], help="which table")
-    ap.add_argument("sweep_dir", help="the sweep folder (e.g. runs/pruning_accuracy)")
+    ap.add_argument("sweep_dir", help="the sweep folder (e.g. runs/fig7_pruning)")
     args = ap.parse_args()
     print(write_accuracy_table(args.sweep_dir))
 

@@ -381,3 +381,32 @@ def test_grids_sweeper_expands_a_union():
     assert frozenset({"cluster=cpu4", "system=naive", "model.top_k=4", "seed=1"}) in as_sets
     assert frozenset({"cluster=cpu4", "task=prefill", "seed=1"}) in as_sets     # top_k only where swept
     assert len(points) == 2 * 2 + 1
+
+
+def finetune_run(run_dir: Path, system: str, budget, steps: int, pydoc_loss: float, ct: float):
+    """A task=finetune run folder as run.py writes it (results + the composed config)."""
+    rows = [row("train_loss", 6.0, "nats/token", sample=s) for s in range(steps)]
+    for corpus, loss in (("pydoc", pydoc_loss), ("shakespeare", 5.0)):
+        rows += [row("eval_loss", loss, "nats/token", phase=corpus),
+                 row("eval_perplexity", float(np.exp(loss)), "ppl", phase=corpus),
+                 row("eval_accuracy", 1.0 / loss, "ratio", phase=corpus)]
+        rows += [row("ct_all", ct, "devices/token", layer=layer, phase=corpus) for layer in (0, 1)]
+    write_results(make_frame(rows, _context(system, "olmoe_proxy", "finetune", 4, 16, 4, 32, 16)), run_dir)
+    (run_dir / ".hydra").mkdir()
+    (run_dir / ".hydra" / "config.yaml").write_text(f"system:\n  name: {system}\n  budget: {budget or 'null'}\n")
+
+
+def test_fig7_pruning_figure_from_finetune_runs(tmp_path):
+    from analysis.load import load_runs
+    from analysis.studies import fig7_pruning
+    arms = [("occult", None, 0, 7.0, 3.6), ("occult", None, 2, 5.9, 3.7),
+            ("occult_prune_score", 1, 2, 5.95, 1.0), ("occult_prune_score", 2, 2, 5.91, 2.0),
+            ("occult_prune_sim", 1, 2, 5.94, 1.0), ("occult_prune_sim", 2, 2, 5.905, 2.0)]
+    for i, arm in enumerate(arms):
+        finetune_run(tmp_path / f"run{i}", *arm)
+    (section,) = fig7_pruning(load_runs([tmp_path]), tmp_path)
+    assert (tmp_path / "fig7_pruning.png").is_file() and (tmp_path / "fig7_pruning.pdf").is_file()
+    table = dict(section.tables)["fig7_pruning"].set_index("arm")
+    assert list(table.index) == ["no_finetune", "standard", "score_1", "score_2", "similarity_1", "similarity_2"]
+    assert table.loc["similarity_2", "pydoc_loss"] == pytest.approx(5.905)
+    assert table.loc["score_1", "ct_all"] == pytest.approx(1.0)
