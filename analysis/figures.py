@@ -299,6 +299,13 @@ def _drop_legend(ax) -> None:
         ax.get_legend().remove()
 
 
+def _two_line_model_ticks(ax, proxy: str = "\n(proxy)") -> None:
+    """``olmoe_proxy`` -> ``olmoe`` + ``proxy`` on a categorical x axis, so that names do not overlap."""
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    if labels:
+        ax.set_xticks(ax.get_xticks(), [s.replace("_proxy", proxy) for s in labels])
+
+
 def fig1_latency(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     """Occult Fig. 1: latency per system, model and task; ratios to naive; projected 4 x A6000."""
     title = "Fig. 1: latency of every system, model and task"
@@ -326,6 +333,7 @@ def fig1_latency(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         ax.set_title(f"{task}: {TASK_LATENCY_LABEL[task]} (measured here)")
         ax.set_ylabel("latency (ms)")
         ax.set_xlabel("")
+        _two_line_model_ticks(ax)
         _drop_legend(ax)
         if rows == 2:
             ax2 = axes[1][j]
@@ -336,7 +344,8 @@ def fig1_latency(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                 _drop_legend(ax2)
             ax2.set_title(f"{task}: MoE layers of the real model, projected")
             ax2.set_ylabel("projected time (ms)")
-            ax2.set_xlabel("")
+            ax2.set_xlabel("real model (routing and rows from its proxy's run)", fontsize=8)
+            _two_line_model_ticks(ax2, proxy="")
     handles = [plt.Rectangle((0, 0), 1, 1, color=pal[s]) for s in systems]
     fig.subplots_adjust(hspace=0.45, wspace=0.3)
     fig.legend(handles, systems, loc="upper center", ncol=len(systems), bbox_to_anchor=(0.5, 1.0))
