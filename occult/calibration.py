@@ -32,7 +32,10 @@ from .records import row
 RANK_BYTES = (0, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20)
 HIDDEN, FFN, EXPERTS = 256, 128, 64      # task=layer's default width (layer_small)
 EXPERT_ROWS = (512, 4096)               # rows per rank: T x K for K = 1 and 8 at T = 512
-WORK_MS = 5.0                           # compute before each timed collective
+# compute before each timed collective, cycled over the repetitions: in a layer a collective
+# follows anything from a permutation (well under 1 ms) to the experts (tens of ms), and with
+# more ranks than cores the time a collective takes depends on how long its ranks computed
+WORK_MS = (0.5, 2.0, 5.0, 20.0)
 
 
 def _sent_bytes(rank_bytes: int, world_size: int) -> int:
@@ -47,17 +50,19 @@ def _busy(ms: float, a_NN: torch.Tensor) -> None:
         a_NN @ a_NN
 
 
-def _time_a2a(ctx, rank_bytes: int, reps: int, work_ms: float = WORK_MS) -> list[float]:
+def _time_a2a(ctx, rank_bytes: int, reps: int, work_ms=WORK_MS) -> list[float]:
     """Seconds of ``reps`` equal-split all-to-alls sending ``rank_bytes`` to the peers together,
-    each after ``work_ms`` of compute and a barrier."""
+    each after compute (``work_ms``: milliseconds, or a sequence cycled over the calls) and a
+    barrier."""
     P = ctx.world_size
     n = rank_bytes // 4 // max(P - 1, 1)
     send = torch.randn(n * P)
     recv = torch.empty(n * P)
     a_NN = torch.randn(128, 128)
+    work = tuple(work_ms) if isinstance(work_ms, (tuple, list)) else (work_ms,)
     out = []
-    for _ in range(reps + 1):                         # one warm-up call
-        _busy(work_ms, a_NN)
+    for i in range(reps + 1):                         # one warm-up call
+        _busy(work[(i - 1) % len(work)], a_NN)
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_to_all_single(recv, send, [n] * P, [n] * P)

@@ -92,3 +92,23 @@ def test_results_written_atomically(tmp_path, monkeypatch):
         write_results(df, tmp_path)
     assert not (tmp_path / "results.parquet").exists()
     assert not list(tmp_path.glob(".*tmp"))
+
+
+@pytest.mark.timeout(300)
+def test_layer_run_calibrates_its_own_world_for_the_cost_model_check(tmp_path):
+    """task.calibrate=true: the run's rows carry a loopback calibration of its own world
+    (latency >= 0, finite bandwidth and matmul rate), and the cost-model check projects the
+    run with it, for every collective the run logged."""
+    from analysis import costmodel as cm
+    from analysis.calibrate import fit_points
+    out = tmp_path / "run"
+    run_py("system=occult", "cluster=cpu2", "task.sync_collectives=true", "task.calibrate=true", *SMALL,
+           f"out_dir={out}")
+    df = load_runs([out])
+    (point,) = fit_points(df)
+    assert point["world_size"] == 2 and point["latency_us"] >= 0 and 0 < point["GBps"] < float("inf")
+    assert point["TFLOPs"] > 0
+    chk = cm.check_against_measured(df, None)
+    assert set(chk.calibration) == {"own run"}
+    logged = {f"a2a {p} {d}" for p, d in df[df.metric == "a2a_time"][["phase", "pass"]].drop_duplicates().values}
+    assert logged and logged <= set(chk.quantity) and (chk.projected_ms > 0).all()
