@@ -6,8 +6,8 @@ on its own sequences; nothing is exchanged between ranks in the MoE layers. In
 ``task=train`` all gradients are averaged over ranks (plain data parallelism),
 so a step is the step on all ranks' sequences together, as for the EP systems.
 
-It runs whole models only (``task=prefill|decode|train|pretrain|finetune``);
-``task=layer`` needs a dispatcher and is refused at validation time.
+It runs whole models only (``task=prefill``, ``decode``, ``train``); ``task=layer``
+needs a dispatcher and is refused at validation time.
 """
 from __future__ import annotations
 

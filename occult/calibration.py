@@ -73,7 +73,7 @@ def _time_a2a(ctx, rank_bytes: int, reps: int, work_ms=WORK_MS) -> list[float]:
 def _grouped_seconds(local_experts: int, rows: int, reps: int) -> float:
     """Median seconds of the shared grouped SwiGLU experts (occult.ep.experts) on ``rows``
     rows spread evenly over ``local_experts`` experts."""
-    from occult.ep.experts import grouped_swiglu
+    from .ep.experts import grouped_swiglu
     g = torch.Generator().manual_seed(0)
     e = local_experts
     x = torch.randn(rows, HIDDEN, generator=g)

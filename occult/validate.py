@@ -49,6 +49,19 @@ def system_class(system: dict):
     return cls
 
 
+def _expert_parallel_systems() -> list[str]:
+    import yaml
+    out = []
+    for name in available("system"):
+        target = (yaml.safe_load((CONF_DIR / "system" / f"{name}.yaml").read_text()) or {}).get("_target_", "")
+        try:
+            if getattr(import_object(target), "expert_parallel", True):
+                out.append(name)
+        except (ImportError, AttributeError, ValueError):
+            continue
+    return out
+
+
 def _models_with_family() -> list[str]:
     import yaml
     return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")
@@ -85,8 +98,8 @@ def validate(cfg) -> list[str]:
                           f"available tasks: {available('task')}") from exc
     cls = system_class(dict(cfg.system))
     if t.get("expert_parallel_only", False) and not getattr(cls, "expert_parallel", True):
-        raise ConfigError(f"system={cfg.system.name} runs whole models only; task={t.name} needs an "
-                          "expert-parallel system")
+        raise ConfigError(f"system={cfg.system.name} has no expert-parallel dispatcher; task={t.name} needs "
+                          f"one. Expert-parallel systems: {_expert_parallel_systems()}")
     if t.get("whole_model", False) and not m.get("family"):
         raise ConfigError(f"task={t.name} runs a whole model; model={m.name} has no model.family "
                           f"(a layer-only config). Models with a family: {_models_with_family()}")

@@ -56,7 +56,9 @@ def test_unknown_system_lists_the_choices():
     (["cluster.backend=mpi"], r"cluster.backend='mpi': allowed values"),
     (["system._target_=baselines.naive.Nope"], r"system=naive: cannot import"),
     (["+system.flavour=x"], r"system.flavour: unknown option of system 'naive'; allowed: \[\]"),
-    (["system=reference"], r"system=reference runs whole models only; task=layer needs an expert-parallel system"),
+    (["system=reference"], r"system=reference has no expert-parallel dispatcher; task=layer needs one. "
+                           r"Expert-parallel systems: \['deepspeed', 'exflow', 'megablocks', 'naive', 'occult'"),
+    (["system=reference", "task=finetune", "model=olmoe_proxy"], r"task=finetune needs one"),
     (["system=reference", "task=prefill", "model=olmoe_proxy", "+system.flavour=x"],
      r"system.flavour: unknown option of system 'reference'; allowed: \[\]"),
 ])
