@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml
 # The default study on this CPU: tables, plots and a report under runs/.
 run: $(STAMP)
 	$(PY) run.py experiment=default_study
+	@echo "default study report: runs/default_study/report.md"
 
 # The default test suite (slow tests excluded); CI runs exactly this.
 test: $(STAMP)

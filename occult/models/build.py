@@ -92,6 +92,8 @@ def load_checkpoint(family: Family, path) -> nn.Module:
         raise CheckpointError(f"model.path={path}: no *.safetensors file (other weight formats are not "
                               "loaded: they would need unpickling)")
     cls = family.model_class()
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()   # P ranks load at once: one bar each would fill the log
     try:
         model, info = cls.from_pretrained(path, local_files_only=True, use_safetensors=True,
                                           output_loading_info=True, dtype=torch.float32)
