@@ -410,3 +410,25 @@ def test_fig7_pruning_figure_from_finetune_runs(tmp_path):
     assert list(table.index) == ["no_finetune", "standard", "score_1", "score_2", "similarity_1", "similarity_2"]
     assert table.loc["similarity_2", "pydoc_loss"] == pytest.approx(5.905)
     assert table.loc["score_1", "ct_all"] == pytest.approx(1.0)
+
+
+def test_fig1_reference_row_is_measured_and_never_projected(tmp_path):
+    """system=reference sends nothing: it gets a measured latency and ratio to naive in
+    Fig. 1, and no projected row (there are no bytes to project)."""
+    from analysis.figures import fig1_latency
+    from analysis.load import load_runs
+    sweep = tmp_path / "sweep"
+    write_results(prefill_run("naive", 100.0, 64), sweep / "naive_prefill")
+    rows = []
+    for s in range(2):
+        rows.append(row("ttft", 40.0, "ms", phase="prefill", sample=s))
+        rows.append(row("tokens_per_s", 25.0, "tokens/s", phase="prefill", sample=s))
+    ref = make_frame(rows, {**_context("reference", "olmoe_proxy", "prefill", 4, 16, 4, 32, 16), "impl": "library"})
+    write_results(ref, sweep / "reference_prefill")
+    (section,) = fig1_latency(load_runs([sweep]), tmp_path)
+    tables = dict(section.tables)
+    measured = tables["fig1_measured"].set_index("system")
+    assert measured.loc["reference", "impl"] == "library"
+    assert measured.loc["reference", "ratio_to_naive"] == pytest.approx(40.0 / 101.0)   # naive: 100, 102 ms
+    assert set(tables["fig1_projected"].system) == {"naive"}
+    assert (tmp_path / "fig1_latency.png").is_file()
