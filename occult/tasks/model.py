@@ -97,6 +97,15 @@ def _placements(cfg, ctx, model) -> dict:
     return {layer: found.get(layer, contiguous) for layer in range(cfg.model.num_layers)}
 
 
+def _iterations(ctx, t, rec: Recorder):
+    """Warm-up then timed iterations, each started together on every rank with a cleared
+    recorder: yields the sample index (negative during warm-up)."""
+    for it in range(t.warmup + t.iters):
+        rec.clear()
+        _barrier(ctx)
+        yield it - t.warmup
+
+
 def _serving_start(ctx, cfg_dict: dict):
     """What prefill and decode start from: config, rank model, parity rows, this rank's
     prompts [B, S] and a recorder."""
@@ -110,16 +119,13 @@ def prefill_rank(ctx, cfg_dict: dict) -> list:
     """task=prefill: one forward over B prompts of S tokens; time to first token."""
     cfg, model, rows, x_BS, rec = _serving_start(ctx, cfg_dict)
     t = cfg.task
-    for it in range(t.warmup + t.iters):
-        rec.clear()
-        _barrier(ctx)
+    for sample in _iterations(ctx, t, rec):
         t0 = time.perf_counter()
         with torch.no_grad(), recording(rec):
             logits = model(input_ids=x_BS, use_cache=False).logits
             logits[:, -1].argmax(-1)
         took = time.perf_counter() - t0
         worst = slowest(ctx, took)
-        sample = it - t.warmup
         if sample < 0:
             continue
         rows += timing_rows(rec, sample)
@@ -136,9 +142,7 @@ def decode_rank(ctx, cfg_dict: dict) -> list:
     """task=decode: greedy generation of N tokens with a KV cache after a prompt."""
     cfg, model, rows, x_BS, rec = _serving_start(ctx, cfg_dict)
     t = cfg.task
-    for it in range(t.warmup + t.iters):
-        rec.clear()
-        _barrier(ctx)
+    for sample in _iterations(ctx, t, rec):
         steps = []
         with torch.no_grad(), recording(rec):
             t0 = time.perf_counter()
@@ -150,7 +154,6 @@ def decode_rank(ctx, cfg_dict: dict) -> list:
                 out = model(input_ids=nxt, cache=cache, use_cache=True)
                 cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
                 steps.append(time.perf_counter() - ts)
-        sample = it - t.warmup
         worst = torch.tensor(steps + [ttft], dtype=torch.float64)
         if ctx.world_size > 1:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=ctx.ep.group)
@@ -180,10 +183,8 @@ def train_rank(ctx, cfg_dict: dict) -> list:
     ids_N = token_ids(t.corpus, "train", tok)
     batches = batch_iterator(ids_N, t.batch_size, t.seq_len, seed=cfg.seed * 1000 + ctx.rank)
     rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives)
-    for it in range(t.warmup + t.iters):
+    for sample in _iterations(ctx, t, rec):
         x_BS, y_BS = next(batches)
-        rec.clear()
-        _barrier(ctx)
         t0 = time.perf_counter()
         with recording(rec):
             logits = model(input_ids=x_BS).logits
@@ -194,7 +195,6 @@ def train_rank(ctx, cfg_dict: dict) -> list:
         opt.zero_grad(set_to_none=True)
         took = time.perf_counter() - t0
         worst = slowest(ctx, took)
-        sample = it - t.warmup
         if sample < 0:
             continue
         rows += timing_rows(rec, sample)
