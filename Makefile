@@ -37,7 +37,7 @@ test-triton: $(STAMP)
 
 # Benchmarks: ratios between systems measured in the same run.
 bench: $(STAMP)
-	$(PY) -m analysis.bench
+	$(PY) run.py experiment=bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache

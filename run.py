@@ -2,10 +2,12 @@
 
     python run.py system=naive task=layer cluster=cpu4            # one run
     python run.py -m system=naive cluster=cpu2,cpu4 model.top_k=2,8   # a sweep
-    torchrun --nproc-per-node 8 run.py cluster=gpu8 ...            # GPUs, NCCL
+    python run.py experiment=fig1_latency                         # a declared sweep (resumable)
 
 Each run writes results.parquet / results.csv (rank 0, atomically) into its
-Hydra output folder under runs/.
+Hydra output folder under runs/. An invalid config stops with one line that
+names the field and the allowed values (the full traceback goes to the run's
+log, or with HYDRA_FULL_ERROR=1 to the screen).
 """
 import sys
 
@@ -14,10 +16,6 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from occult.config import register
-
-register()
-
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
@@ -25,11 +23,17 @@ def main(cfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     out_dir = cfg.out_dir or hc.runtime.output_dir
-    run_or_record_failure(cfg, out_dir, multirun=hc.mode == RunMode.MULTIRUN)
+    run_or_record_failure(cfg, out_dir, multirun=hc.mode == RunMode.MULTIRUN,
+                          overrides=hc.job.override_dirname)
 
 
 if __name__ == "__main__":
-    main()
+    from occult.cli import one_line_config_errors
+    from occult.config import register, searchpath_dirs
+
+    register(searchpath_dirs(sys.argv[1:]))
+    with one_line_config_errors():
+        main()
     from occult.runner import FAILED_POINTS
 
     sys.exit(1 if FAILED_POINTS else 0)

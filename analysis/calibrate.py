@@ -1,10 +1,10 @@
 """Calibrates the cost model on this machine: loopback all-to-all and expert matmul throughput.
 
-    python -m analysis.calibrate                       # P = 2, 4, 8; writes conf/cluster/sim_cpu_loopback.yaml
-    python -m analysis.calibrate --world-sizes 2 4 --out /tmp/cpu.yaml
+    python run.py experiment=calibrate                 # P = 2, 4, 8; writes conf/profile/sim_cpu_loopback.yaml
+    python -m analysis.calibrate runs/calibrate --out /tmp/cpu.yaml   # refit from those runs
 
 For each world size P, P ranks (gloo on loopback, as every CPU run) run the
-measurement of :mod:`occult.calibration`: equal-split all-to-alls at a few
+measurement of :mod:`occult.tasks.calibrate` (``task=calibrate``): equal-split all-to-alls at a few
 message sizes, each after a burst of compute and a barrier, and the grouped
 SwiGLU experts of task=layer's default width on the e = 64 / P local experts
 at two row counts. Here a line ``time = latency + bytes / bandwidth`` is
@@ -17,14 +17,11 @@ throughput`` gives the matmul throughput and the per-expert call overhead
 
 The P ranks share the host's cores, so bandwidth and throughput depend on P
 (and on the machine's load): the profile keeps one fitted point per world
-size (``calibration``). The same measurement runs as a sweep point
-(``run_rank``, a task entry) so that an experiment calibrates under the load
-its own runs see:
-
-    task.name=calibrate task.entry=analysis.calibrate.run_rank task.check_parity=false
-
-and inside a task=layer run (``task.calibrate=true``), right before its timed
-iterations; :func:`fit_points` turns either's rows into profile points.
+size (``calibration``). The same measurement runs inside a task=layer run
+(``task.calibrate=true``), right before its timed iterations, so that an
+experiment calibrates under the load its own runs see; :func:`fit_points`
+turns either's rows into profile points. Nothing here starts ranks: it reads
+result tables.
 """
 from __future__ import annotations
 
@@ -37,12 +34,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from occult.calibration import FFN, HIDDEN, RANK_BYTES, calibration_rows
-from occult.dist import launch
+from occult.config import CONF_DIR
 from occult.records import device_name
+from occult.tasks.calibrate import FFN, HIDDEN
 
-CONF_CLUSTER = Path(__file__).resolve().parent.parent / "conf" / "cluster"
-DEFAULT_PROFILE = CONF_CLUSTER / "sim_cpu_loopback.yaml"
+DEFAULT_PROFILE = CONF_DIR / "profile" / "sim_cpu_loopback.yaml"
 
 
 def fit_line(x, y) -> tuple[float, float]:
@@ -58,13 +54,6 @@ def fit_line(x, y) -> tuple[float, float]:
     if b <= 0:                                  # latency only
         a, b = float(np.median(y)), 0.0
     return float(a), float(b)
-
-
-def run_rank(ctx, cfg_dict: dict) -> list:
-    """Task entry: the calibration as a sweep point (uses task.iters as repetitions)."""
-    if ctx.world_size < 2:
-        raise ValueError("calibration needs cluster.world_size >= 2 (it times all-to-alls between ranks)")
-    return calibration_rows(ctx, RANK_BYTES, max(int(cfg_dict["task"]["iters"]), 3))
 
 
 def fit_points(df: pd.DataFrame) -> list[dict]:
@@ -104,24 +93,25 @@ def _fit_experts(run: pd.DataFrame) -> tuple[float, float]:
 
 def profile_dict(points: list[dict], source: str) -> dict:
     """A ``sim_cpu_loopback`` profile (the fields :func:`analysis.costmodel.profile_from_dict` reads)."""
-    return {"name": "sim_cpu_loopback", "simulated": True, "world_size": 0, "backend": "gloo",
+    return {"name": "sim_cpu_loopback", "world_size": 0, "backend": "gloo",
             "dtype": "float32", "source": source,
-            "calibration": [{k: p[k] for k in ("world_size", "latency_us", "GBps", "TFLOPs", "expert_call_us")}
+            "calibration": [{"world_size": int(p["world_size"]),
+                             **{k: float(p[k]) for k in ("latency_us", "GBps", "TFLOPs", "expert_call_us")}}
                             for p in points]}
 
 
 def profile_yaml(points: list[dict]) -> str:
-    """The calibration profile as YAML text (a ``conf/cluster`` file the cost model reads)."""
+    """The calibration profile as YAML text (a ``conf/profile`` file the cost model reads)."""
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     lines = ["# This machine's loopback (gloo, P processes on one host), MEASURED by",
-             "#   python -m analysis.calibrate",
+             "#   python run.py experiment=calibrate",
              f"# on {device_name()} ({platform.node()}, {os.cpu_count()} cores), {stamp}.",
-             "# A projection profile (simulated: true), not a cluster to run on. Per world size P:",
+             "# A projection profile (conf/profile), not a cluster to run on. Per world size P:",
              "# all-to-all latency and bandwidth fitted to bytes a rank sends to the others in one",
              "# call (each after compute, as in a layer), and the per-rank expert matmul throughput",
              "# and per-expert overhead with P ranks at once. Measured on a shared machine: rerun",
              "# the calibration before trusting it elsewhere.",
-             "name: sim_cpu_loopback", "simulated: true", "world_size: 0", "backend: gloo",
+             "name: sim_cpu_loopback", "world_size: 0", "backend: gloo",
              "dtype: float32", f"source: measured by analysis.calibrate on {platform.node()}, {stamp}",
              "calibration:"]
     for p in points:
@@ -131,28 +121,36 @@ def profile_yaml(points: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _cli_rank(ctx, reps: int) -> list:
-    return calibration_rows(ctx, RANK_BYTES, reps)
+def calibration_profile(df: pd.DataFrame, out_dir) -> list:
+    """Report builder (``experiment=calibrate``): fits the calibration rows of the runs and
+    writes the profile into the report folder and ``conf/profile/sim_cpu_loopback.yaml``
+    (what the cost model reads for this machine)."""
+    from .figures import Section
 
-
-def calibrate(world_sizes, reps: int = 8) -> list[dict]:
-    """Runs the calibration at each world size on this machine; returns the profile points."""
-    frames = []
-    for P in world_sizes:
-        per_rank = launch(_cli_rank, P, (reps,), timeout_s=600.0)
-        df = pd.DataFrame([r for rows in per_rank for r in rows])
-        df["world_size"], df["run_dir"] = P, f"calibrate/{P}"
-        frames.append(df)
-    return fit_points(pd.concat(frames, ignore_index=True))
+    points = fit_points(df)
+    title = "Loopback calibration (cost-model profile of this machine)"
+    if not points:
+        return [Section(title, ["Not fitted: these runs have no calibration rows (task=calibrate)."])]
+    text = profile_yaml(points)
+    (Path(out_dir) / "sim_cpu_loopback.yaml").write_text(text)
+    DEFAULT_PROFILE.write_text(text)
+    table = pd.DataFrame([{k: p[k] for k in ("world_size", "latency_us", "GBps", "TFLOPs", "expert_call_us")}
+                          for p in points])
+    return [Section(title, [f"Written: {DEFAULT_PROFILE} (and a copy in this folder). Per world size P: "
+                            "all-to-all latency and bandwidth fitted to the bytes a rank sends per call, "
+                            "and the expert matmul rate with P ranks at once."], [("calibration", table)])]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--reps", type=int, default=8, help="timed calls per size")
+    ap.add_argument("paths", nargs="+", help="run or sweep folders with calibration rows (task=calibrate)")
     ap.add_argument("--out", default=str(DEFAULT_PROFILE), help="profile to write")
     args = ap.parse_args()
-    points = calibrate(args.world_sizes, args.reps)
+    from .load import load_runs
+
+    points = fit_points(load_runs(args.paths))
+    if not points:
+        raise SystemExit(f"no calibration rows under {args.paths} (runs of task=calibrate)")
     for pt in points:
         print(f"P={pt['world_size']}: latency {pt['latency_us']:.0f} us, {pt['GBps']:.3f} GB/s, "
               f"{pt['TFLOPs'] * 1e3:.1f} GFLOP/s + {pt['expert_call_us']:.0f} us per expert per rank; " +

@@ -4,7 +4,7 @@ Inputs are what a run measured and what its config says, never a guess about
 routing: the bytes each rank sent to each peer in every collective (the
 ``bytes`` rows with ``src_rank`` / ``dst_rank``, counted from the split sizes
 that went into the collective) and the expert FLOPs of the run's tokens
-(tokens, K, D, F). A cluster profile (``conf/cluster/sim_*.yaml``) gives link
+(tokens, K, D, F). A projection profile (``conf/profile/sim_*.yaml``) gives link
 bandwidths and latencies and per-device matmul throughput.
 
 Model (one collective, P ranks):
@@ -34,7 +34,7 @@ target's number of MoE layers.
 Every value this module returns carries ``source = "projected"``.
 
 A profile for this machine (``sim_cpu_loopback``) is measured by
-:mod:`analysis.calibrate`: there the P ranks share the host's cores, so its
+``experiment=calibrate`` (:mod:`analysis.calibrate`): there the P ranks share the host's cores, so its
 latency, bandwidth and throughput are per world size. :func:`check_against_measured`
 compares its projections with the all-to-all and expert times that
 ``task=layer`` runs measured, preferably with the calibration a run made of its
@@ -74,7 +74,7 @@ class Link:
 
 @dataclass(frozen=True)
 class Profile:
-    """A cluster profile (a ``conf/cluster`` YAML with ``simulated: true``)."""
+    """A projection profile (a ``conf/profile`` YAML, schema :class:`occult.config.ProfileConf`)."""
 
     name: str
     world_size: int                     # 0: any world size in ``calibration``
@@ -87,11 +87,12 @@ class Profile:
         """The links and compute for a run of ``world_size`` ranks (raises if the profile has none)."""
         if self.calibration:
             if world_size not in self.calibration:
-                raise ValueError(f"cluster={self.name}: calibrated for world sizes {sorted(self.calibration)}, "
-                                 f"not {world_size} (rerun python -m analysis.calibrate --world-sizes ...)")
+                raise ValueError(f"profile={self.name}: calibrated for world sizes {sorted(self.calibration)}, "
+                                 f"not {world_size} (rerun python run.py experiment=calibrate "
+                                 f"hydra.sweeper.params.cluster=cpu{world_size},...)")
             return self.calibration[world_size]
         if world_size != self.world_size:
-            raise ValueError(f"cluster={self.name} has world_size={self.world_size}; a run measured at "
+            raise ValueError(f"profile={self.name} has world_size={self.world_size}; a run measured at "
                              f"world_size={world_size} has another per-peer byte pattern. Project runs "
                              f"measured with cluster.world_size={self.world_size}")
         return self.link
@@ -99,7 +100,7 @@ class Profile:
     @property
     def element_bytes(self) -> int:
         if self.dtype not in ELEMENT_BYTES:
-            raise ValueError(f"cluster={self.name}: dtype={self.dtype!r}; allowed values {sorted(ELEMENT_BYTES)}")
+            raise ValueError(f"profile={self.name}: dtype={self.dtype!r}; allowed values {sorted(ELEMENT_BYTES)}")
         return ELEMENT_BYTES[self.dtype]
 
 
@@ -117,35 +118,42 @@ def _link_from_fields(c: dict) -> Link:
 
 
 def profile_from_dict(c: dict) -> Profile:
-    """A :class:`Profile` from a cluster config's fields (errors name the field)."""
+    """A :class:`Profile` from a profile config's fields, checked against
+    :class:`occult.config.ProfileConf` (errors name the field)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from occult.config import ProfileConf
+
     name = c.get("name", "?")
-    if not c.get("simulated", False):
-        raise ValueError(f"cluster={name}: not a projection profile (needs simulated: true)")
+    try:
+        c = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(ProfileConf), c))
+    except OmegaConfBaseException as exc:
+        raise ValueError(f"profile={name}: {str(exc).splitlines()[0]} (fields: see occult.config.ProfileConf)") from exc
     calibration = {}
     for point in c.get("calibration") or []:
         calibration[int(point["world_size"])] = Link(
             intra_latency_s=float(point["latency_us"]) * 1e-6, intra_Bps=float(point["GBps"]) * 1e9,
             flops=float(point["TFLOPs"]) * 1e12, expert_call_s=float(point.get("expert_call_us", 0.0)) * 1e-6)
     if not calibration and not c.get("intra_node_GBps"):
-        raise ValueError(f"cluster={name}: needs intra_node_GBps (GB/s) or a calibration list")
+        raise ValueError(f"profile={name}: needs intra_node_GBps (GB/s) or a calibration list")
     return Profile(name=name, world_size=int(c.get("world_size", 0) or 0), dtype=c.get("dtype") or "float32",
                    link=None if calibration else _link_from_fields(c), calibration=calibration,
                    source=c.get("source", ""))
 
 
 def load_profile(name_or_path) -> Profile:
-    """``sim_a6000x4`` (from conf/cluster) or a path to a profile YAML."""
+    """``sim_a6000x4`` (from conf/profile) or a path to a profile YAML."""
     path = Path(name_or_path)
     if not path.suffix:
-        path = CONF / "cluster" / f"{name_or_path}.yaml"
+        path = CONF / "profile" / f"{name_or_path}.yaml"
     if not path.is_file():
-        names = sorted(p.stem for p in (CONF / "cluster").glob("sim_*.yaml"))
-        raise FileNotFoundError(f"cluster={name_or_path}: no profile {path}; profiles: {names}")
+        raise FileNotFoundError(f"profile={name_or_path}: no profile {path}; profiles: {available_profiles()}")
     return profile_from_dict(yaml.safe_load(path.read_text()))
 
 
 def available_profiles() -> list[str]:
-    return sorted(p.stem for p in (CONF / "cluster").glob("sim_*.yaml"))
+    return sorted(p.stem for p in (CONF / "profile").glob("*.yaml"))
 
 
 # ---------------------------------------------------------------------------

@@ -72,17 +72,11 @@ def _trace_runs(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     return [(d, run) for d, run in df.groupby("run_dir") if (Path(d) / "routing.parquet").is_file()]
 
 
-def router_kind(run_dir) -> str:
-    """How the traced run's router got its weights, from its saved config (.hydra/config.yaml):
-    ``trained router`` (a pre-trained proxy or a checkpoint), ``random-init router`` or ``router``."""
-    import yaml
-    cfg_file = Path(run_dir) / ".hydra" / "config.yaml"
-    if not cfg_file.is_file():
-        return "router"
-    model = (yaml.safe_load(cfg_file.read_text()) or {}).get("model", {})
-    if model.get("path") or (model.get("proxy") and model.get("init", "trained") == "trained"):
-        return "trained router"
-    return "random-init router" if model.get("init") == "random" else "router"
+def router_kind(run: pd.DataFrame) -> str:
+    """How a run's router got its weights, from its ``init`` column: ``trained router`` (a
+    checkpoint: a pre-trained proxy or a real model) or ``random-init router``."""
+    init = str(run["init"].iloc[0]) if "init" in run and len(run) else ""
+    return "random-init router" if init in ("", "random") else "trained router"
 
 
 def _no_data(title: str, what: str) -> list[Section]:
@@ -121,7 +115,7 @@ def lcc_curves(df: pd.DataFrame, draws: int = 0, seed: int = 0) -> tuple[pd.Data
         E, K, model = int(run.num_experts.iloc[0]), int(run.top_k.iloc[0]), str(run.model.iloc[0])
         ids_model = trace_topk(trace, layer)[0].numpy()
         checkpoints = token_counts(len(ids_model))
-        kind_of_router = router_kind(run_dir)
+        kind_of_router = router_kind(run)
         if layer in logits:
             agree = float((np.sort(topk_from_logits(logits[layer], K), 1) == np.sort(ids_model, 1)).all(1).mean())
             per_k = {k: topk_from_logits(logits[layer], k) for k in LCC_TOP_K if k <= E}
@@ -442,7 +436,7 @@ def fig8_pattern(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         ax.set_ylabel("expert (by device)")
         ax.grid(False)
     fig.colorbar(im, ax=axes, shrink=0.8, label="share of tokens choosing both experts")
-    fig.suptitle(f"{model} ({router_kind(run_dir)}), MoE layer {layer}: co-activation (held-out half of the trace)",
+    fig.suptitle(f"{model} ({router_kind(run)}), MoE layer {layer}: co-activation (held-out half of the trace)",
                  y=1.02)
     figs = save(fig, Path(out_dir) / "fig8_pattern")
     text = [f"Trace `{run_dir}`, layer {layer} (last MoE layer), {ids.shape[0]} tokens: placements are "
@@ -541,7 +535,7 @@ CHECK_TARGET = 0.25
 
 def cpu_profile(df: pd.DataFrame):
     """The loopback profile: fitted from this sweep's calibration runs when it has them
-    (same load as its runs), else conf/cluster/sim_cpu_loopback.yaml; (profile, where)."""
+    (same load as its runs), else conf/profile/sim_cpu_loopback.yaml; (profile, where)."""
     from .calibrate import fit_points, profile_dict
     points = fit_points(df[df.task == "calibrate"]) if "task" in df else []
     if points:
@@ -549,7 +543,7 @@ def cpu_profile(df: pd.DataFrame):
             "fitted to this sweep's calibration runs (task.name=calibrate)"
     try:
         p = cm.load_profile("sim_cpu_loopback")
-        return p, f"conf/cluster/sim_cpu_loopback.yaml ({p.source})"
+        return p, f"conf/profile/sim_cpu_loopback.yaml ({p.source})"
     except FileNotFoundError:
         return None, ""
 

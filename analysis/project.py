@@ -1,15 +1,15 @@
 """Projects measured runs onto a cluster profile with the cost model (labelled projected).
 
-    python -m analysis.project runs/fig12_scaling --cluster sim_a6000x4
-    python -m analysis.project runs/fig1_latency --cluster sim_a6000x4 --model real
-    python -m analysis.project runs/fig12_scaling --cluster sim_h100x8 --model olmoe_layer --out /tmp/p
+    python -m analysis.project runs/fig12_scaling --profile sim_a6000x4
+    python -m analysis.project runs/fig1_latency --profile sim_a6000x4 --model real
+    python -m analysis.project runs/fig12_scaling --profile sim_h100x8 --model olmoe_layer --out /tmp/p
 
 Uses the runs measured at the profile's world size (their per-peer bytes and
 tokens); ``--model``: ``own`` (each run's own width), ``real`` (the paper model
 each CPU proxy stands for) or a name under conf/model. Writes
-``projected_<cluster>.csv`` (per layer and component) and
-``projected_<cluster>_totals.csv`` (per run), and prints the totals; every
-row has ``source = projected``. Profiles: ``conf/cluster/sim_*.yaml``.
+``projected_<profile>.csv`` (per layer and component) and
+``projected_<profile>_totals.csv`` (per run), and prints the totals; every
+row has ``source = projected``. Profiles: ``conf/profile/sim_*.yaml``.
 """
 from __future__ import annotations
 
@@ -20,16 +20,16 @@ from . import costmodel as cm
 from .load import load_runs
 
 
-def project(paths, cluster: str, model: str = "own"):
-    """(per-layer projection, per-run totals) of the runs under ``paths`` on ``cluster``."""
-    profile = cm.load_profile(cluster)
+def project(paths, profile_name: str, model: str = "own"):
+    """(per-layer projection, per-run totals) of the runs under ``paths`` on a profile."""
+    profile = cm.load_profile(profile_name)
     target = None if model == "own" else "real" if model == "real" else cm.target_model(model)
     df = load_runs(paths)
     proj = cm.project_runs(df, profile, target)
     if proj.empty:
         sizes = sorted(int(p) for p in df.world_size.unique())
         want = sorted(profile.calibration) if profile.calibration else [profile.world_size]
-        raise ValueError(f"cluster={cluster}: no run to project; it needs runs at world size {want}, "
+        raise ValueError(f"profile={profile_name}: no run to project; it needs runs at world size {want}, "
                          f"these runs have {sizes}")
     return proj, cm.projected_totals(proj)
 
@@ -37,19 +37,19 @@ def project(paths, cluster: str, model: str = "own"):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", help="run or sweep folders")
-    ap.add_argument("--cluster", required=True, help=f"a profile: {', '.join(cm.available_profiles())}")
+    ap.add_argument("--profile", required=True, help=f"a profile (conf/profile): {', '.join(cm.available_profiles())}")
     ap.add_argument("--model", default="own", help="own | real | a conf/model name (default: own)")
     ap.add_argument("--out", default=None, help="folder for the CSV files (default: the first path)")
     args = ap.parse_args()
-    proj, totals = project(args.paths, args.cluster, args.model)
+    proj, totals = project(args.paths, args.profile, args.model)
     out = Path(args.out or args.paths[0])
     out.mkdir(parents=True, exist_ok=True)
-    proj.to_csv(out / f"projected_{args.cluster}.csv", index=False)
-    totals.to_csv(out / f"projected_{args.cluster}_totals.csv", index=False)
+    proj.to_csv(out / f"projected_{args.profile}.csv", index=False)
+    totals.to_csv(out / f"projected_{args.profile}_totals.csv", index=False)
     shown = [c for c in ("system", "model", "task", "world_size", "top_k", "target_model", "a2a_ms_per_layer",
                          "experts_ms_per_layer", "moe_ms", "source", "profile") if c in totals]
     print(totals[shown].to_markdown(index=False, floatfmt=".4g"))
-    print(out / f"projected_{args.cluster}_totals.csv")
+    print(out / f"projected_{args.profile}_totals.csv")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 
     python -m analysis.report runs/fig3_lcc [more folders...] [--out DIR] [--figures fig3_lcc,...]
 
-Written automatically at the end of every multirun (into the sweep folder),
-with the figure builders the experiment names in its ``report`` field
-(:mod:`analysis.figures`). On demand, ``--figures`` names them; without it
-the builders are read from the sweep's saved config (``multirun.yaml``).
+Written automatically at the end of every multirun (into the sweep folder, by
+:class:`analysis.callbacks.SweepReport`), with the figure builders the experiment
+names in its ``report`` field (:mod:`analysis.figures`). On demand, ``--figures``
+names them; without it they are those of the runs' experiments (the ``experiment``
+column, looked up in ``conf/experiment``). Only result tables are read.
 
 Sections: an overview of every run (one row per run; task=layer phase
 times), each named figure or table, and the cost model checked against this
@@ -68,13 +69,18 @@ def _wall_time(df: pd.DataFrame) -> str:
             "(start-up and any proxy pre-training included; reports and skipped points not).")
 
 
-def builders_of(paths) -> str:
-    """The ``report`` field of the first sweep config (multirun.yaml) found at the given folders."""
-    for p in map(Path, paths):
-        cfg = p / "multirun.yaml"
-        if cfg.is_file():
-            return str((yaml.safe_load(cfg.read_text()) or {}).get("report") or "")
-    return ""
+def builders_of(df: pd.DataFrame) -> str:
+    """The ``report`` builders of the experiments these rows belong to (their
+    ``experiment`` column, looked up in ``conf/experiment``), comma-separated."""
+    from occult.config import CONF_DIR
+
+    found = []
+    for name in sorted(map(str, df.experiment.unique())):
+        path = CONF_DIR / "experiment" / f"{name}.yaml"
+        if path.is_file():
+            spec = str((yaml.safe_load(path.read_text()) or {}).get("report") or "")
+            found += [b.strip() for b in spec.split(",") if b.strip() and b.strip() not in found]
+    return ",".join(found)
 
 
 def render(sections: list[Section], out: Path, title: str) -> Path:
@@ -112,12 +118,12 @@ def write_report(paths, out_dir, builders=None) -> Path:
     """Builds the report from every results file under ``paths``; returns report.md.
 
     ``builders``: figure builders (names in :data:`analysis.figures.BUILDERS`, comma-separated,
-    or dotted paths); None: those the sweep's config names, if any.
+    or dotted paths); None: those the runs' experiments name (:func:`builders_of`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     df = load_runs(paths)
-    spec = builders_of(paths) if builders is None else builders
+    spec = builders_of(df) if builders is None else builders
     sections = [overview(df, out)]
     for build in resolve_builders(spec):
         sections += _guarded(build, df, out)
@@ -132,7 +138,7 @@ def main() -> None:
     ap.add_argument("paths", nargs="+", help="run or sweep folders")
     ap.add_argument("--out", default=None, help="where to write (default: the first folder)")
     ap.add_argument("--figures", default=None,
-                    help="comma-separated figure builders (default: the sweep config's `report`)")
+                    help="comma-separated figure builders (default: the `report` of the runs' experiments)")
     args = ap.parse_args()
     print(write_report(args.paths, args.out or args.paths[0], args.figures))
 

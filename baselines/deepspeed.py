@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -87,8 +86,9 @@ import torch.distributed as dist
 from torch import nn
 
 from baselines.tutel import queue_positions
-from occult.ep import Dispatcher, Exchange, Recorder, exchange_counts
+from occult.ep import Dispatcher, Exchange, Recorder, SystemConfig, exchange_counts
 from occult.ep.accounting import span
+from occult.ep.measure import barrier, clock
 
 DEEPSPEED_PIN = "0.19.8"
 # DeepSpeed builds a small C++ op on first use; the project keeps it, once per machine
@@ -199,22 +199,18 @@ class CallTrace:
 
     layer: int
     recorder: Optional[Recorder]
-    group: object
-    world_size: int
+    ep: object                   # the EPGroup
     rows_P: list = field(default_factory=list)      # rows per peer, set from the received buffer
     row_bytes: int = 0
     started: dict = field(default_factory=dict)     # (phase, direction) -> (t0, barrier wait)
 
     def start(self, phase: str, direction: str) -> None:
         """Just before an exchange (and its encode / decode): optional barrier, then the clock."""
-        rec, wait = self.recorder, 0.0
+        rec = self.recorder
         if rec is None:
             return
-        if rec.sync_collectives and self.world_size > 1:
-            t_wait = time.perf_counter()
-            dist.barrier(group=self.group)
-            wait = time.perf_counter() - t_wait
-        self.started[(phase, direction)] = (time.perf_counter(), wait)
+        wait = barrier(self.ep) if rec.sync_collectives else 0.0
+        self.started[(phase, direction)] = (clock(), wait)
 
     def stop(self, phase: str, direction: str) -> None:
         """Just after it: logs the exchange's rows per peer and its time."""
@@ -223,7 +219,7 @@ class CallTrace:
             return
         t0, wait = self.started.pop((phase, direction))
         rec.log_collective(layer=self.layer, phase=phase, direction=direction, rows_P=self.rows_P,
-                           row_bytes=self.row_bytes, seconds=time.perf_counter() - t0, wait_seconds=wait)
+                           row_bytes=self.row_bytes, seconds=clock() - t0, wait_seconds=wait)
 
 
 class _Probe(torch.autograd.Function):
@@ -301,37 +297,34 @@ class DeepSpeedDispatcher(Dispatcher):
     lower bound on C for cf > 0 (4, as in ``deepspeed.moe.layer.MoE``).
     """
 
-    name = "deepspeed"
     impl = "library"
     exact = True          # with the default capacity_factor=0
-    runs_whole_layer = True
 
-    def __init__(self, ep, placement, capacity_factor: float = 0.0, min_capacity: int = 4):
-        super().__init__(ep, placement)
-        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
-                or not math.isfinite(capacity_factor) or capacity_factor < 0:
-            raise ValueError(f"system.capacity_factor={capacity_factor!r}: must be a number >= 0 "
-                             "(0 dropless, > 0 capacity with dropping)")
-        if isinstance(min_capacity, bool) or not isinstance(min_capacity, int) or min_capacity < 1:
-            raise ValueError(f"system.min_capacity={min_capacity!r}: must be an integer >= 1")
+    @dataclass
+    class Config(SystemConfig):
+        # 0: drop_tokens=False, C = the largest expert load in the group (exact).
+        # > 0: C = max(ceil(T / E * cf * K), min_capacity) per (rank, expert); overflow
+        # routes dropped (first choices first, tokens in order).
+        capacity_factor: float = 0.0
+        min_capacity: int = 4
+
+        def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+            super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+            if not math.isfinite(self.capacity_factor) or self.capacity_factor < 0:
+                raise ValueError(f"system.capacity_factor={self.capacity_factor!r}: must be a number >= 0 "
+                                 "(0 dropless, > 0 capacity with dropping)")
+            if self.min_capacity < 1:
+                raise ValueError(f"system.min_capacity={self.min_capacity!r}: must be an integer >= 1")
+
+        def is_exact(self) -> bool:
+            return self.capacity_factor == 0
+
+    def __init__(self, ep, placement, config):
+        super().__init__(ep, placement, config)
         check_contiguous(placement)
-        self.capacity_factor = float(capacity_factor)
-        self.min_capacity = min_capacity
         self._sharded_moe = load_deepspeed()
         if ep.world_size > 1:
             init_deepspeed_comm(ep.group)
-
-    @classmethod
-    def is_exact(cls, capacity_factor: float = 0.0, **options) -> bool:
-        return capacity_factor == 0
-
-    def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
-        raise TypeError("system=deepspeed runs the whole layer inside DeepSpeed's MOELayer "
-                        "(runs_whole_layer); call forward_moe, not dispatch")
-
-    def combine(self, y_RD, handle):
-        raise TypeError("system=deepspeed runs the whole layer inside DeepSpeed's MOELayer "
-                        "(runs_whole_layer); call forward_moe, not combine")
 
     def capacity(self, topk_ids_TK: torch.Tensor, layer: int, recorder: Optional[Recorder]) -> int:
         """C, the same on every rank: exchanges (T, largest expert load) with every rank."""
@@ -341,7 +334,8 @@ class DeepSpeedDispatcher(Dispatcher):
         mine_X = torch.tensor([T, int(need_E.max()) if need_E.numel() else 0], dtype=torch.long)
         every_PX = exchange_counts(mine_X.expand(P, 2).contiguous(), self.ep, Exchange(layer, "counts", recorder))
         max_tokens, max_need = every_PX.max(0).values.tolist()
-        return deepspeed_capacity(self._sharded_moe, self.capacity_factor, self.min_capacity, K, max_tokens,
+        return deepspeed_capacity(self._sharded_moe, self.config.capacity_factor, self.config.min_capacity, K,
+                                  max_tokens,
                                   E, max_need)
 
     def build_moe_layer(self, routes: Routes, experts: nn.Module, trace: CallTrace) -> nn.Module:
@@ -356,10 +350,15 @@ class DeepSpeedDispatcher(Dispatcher):
         return moe
 
     def forward_moe(self, x_TD, topk_ids_TK, topk_weights_TK, experts, *, layer=0, recorder=None):
+        with span(recorder, layer, "moe"):
+            return self._forward_moe(x_TD, topk_ids_TK, topk_weights_TK, experts, layer, recorder)
+
+    def _forward_moe(self, x_TD, topk_ids_TK, topk_weights_TK, experts, layer, recorder):
+        """DeepSpeed's MOELayer for this call, its exchanges observed and its counters logged."""
         P, e = self.ep.world_size, self.placement.num_local
         C = self.capacity(topk_ids_TK, layer, recorder)
         routes = build_routes(topk_ids_TK, topk_weights_TK.to(x_TD.dtype), self.placement.num_experts, C)
-        trace = CallTrace(layer, recorder, self.ep.group, P)
+        trace = CallTrace(layer, recorder, self.ep)
         moe = self.build_moe_layer(routes, experts, trace)
         x_in_TD = probe(x_TD, lambda: trace.stop("dispatch", "backward"))
         out_TD = moe(x_in_TD, None)

@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 
 from baselines.naive import NaiveDispatcher, NaiveHandle
+from occult.ep import SystemConfig
 from occult.ep.permute import gather_rows, scatter_add_rows
 
 
@@ -73,23 +74,26 @@ class MegaBlocksDispatcher(NaiveDispatcher):
     """MegaBlocks' dropless scheme: counts first, variable splits, rows grouped by
     local expert, optional block padding (``block_size``; 0 = grouped GEMM, none)."""
 
-    name = "megablocks"
     impl = "harness"
     exact = True
 
-    def __init__(self, ep, placement, block_size: int = 0):
-        super().__init__(ep, placement)
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
-            raise ValueError(f"system.block_size={block_size!r}: must be an integer >= 0 "
-                             "(0: grouped GEMM without padding; MegaBlocks' block-sparse path uses 128)")
-        self.block_size = block_size
+    @dataclass
+    class Config(SystemConfig):
+        # > 0: pad each local expert's rows to a multiple (block-sparse path; MegaBlocks uses 128)
+        block_size: int = 0
+
+        def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+            super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+            if self.block_size < 0:
+                raise ValueError(f"system.block_size={self.block_size!r}: must be an integer >= 0 "
+                                 "(0: grouped GEMM without padding; MegaBlocks' block-sparse path uses 128)")
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         routed_RD, counts_e, naive = super().dispatch(x_TD, topk_ids_TK, topk_weights_TK, layer=layer,
                                                       recorder=recorder)
-        if self.block_size == 0:
+        if self.config.block_size == 0:
             return routed_RD, counts_e, MegaBlocksHandle(naive, None, 0)
-        padded_row_R, padded_e = block_padded_rows(counts_e, self.block_size)
+        padded_row_R, padded_e = block_padded_rows(counts_e, self.config.block_size)
         B = int(padded_e.sum())
         padded_BD = scatter_add_rows(B, padded_row_R, routed_RD)
         return padded_BD, padded_e, MegaBlocksHandle(naive, padded_row_R, B - routed_RD.shape[0])

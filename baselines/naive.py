@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from occult.ep import Dispatcher, Exchange, Recorder, all_to_all_rows, exchange_counts
+from occult.ep import Exchange, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination,
                                weighted_scatter_add)
 
@@ -33,9 +33,14 @@ class NaiveHandle:
     recorder: Optional[Recorder]
 
 
-class NaiveDispatcher(Dispatcher):
-    name = "naive"
+class NaiveDispatcher(SplitDispatcher):
+    """Naive EP (no options)."""
+
     impl = "harness"
+
+    @dataclass
+    class Config(SystemConfig):
+        pass
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         K = topk_ids_TK.shape[1]

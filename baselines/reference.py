@@ -11,20 +11,25 @@ needs a dispatcher and is refused at validation time.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
+from occult.ep import SystemConfig
+
 
 class ReferenceModel:
-    """Marker class of the single-device model system: no dispatcher, no options."""
+    """The single-device model system: no dispatcher (its config builds none), no options."""
 
-    name = "reference"
     impl = "library"
     exact = True
-    expert_parallel = False
 
-    def __init__(self) -> None:
-        pass
+    @dataclass
+    class Config(SystemConfig):
+        expert_parallel: ClassVar[bool] = False
 
-    @classmethod
-    def check_config(cls, *, num_experts: int, top_k: int, world_size: int, **options) -> None:
-        """Any expert count runs on any number of ranks: each holds all experts."""
-        if options:
-            raise ValueError(f"system=reference takes no options; got {sorted(options)}")
+        def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+            """Any expert count runs on any number of ranks: each holds all experts."""
+
+        def build(self, ep, layer, num_experts, placement=None):
+            """None: every rank keeps the model's own MoE blocks."""
+            return None

@@ -50,7 +50,7 @@ from typing import Optional
 
 import torch
 
-from occult.ep import Dispatcher, Exchange, Placement, Recorder, all_to_all_rows, exchange_counts
+from occult.ep import Exchange, Placement, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
 from occult.ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
 
 
@@ -115,24 +115,31 @@ def swap_blocks(rows_RD: torch.Tensor, a: int, b: int, capacity: int) -> torch.T
     return rows_RD.reshape(a, b, capacity, D).transpose(0, 1).reshape(a * b * capacity, D)
 
 
-class TutelDispatcher(Dispatcher):
+class TutelDispatcher(SplitDispatcher):
     """Tutel's capacity-padded, equal-split scheme.
 
     ``capacity_factor``: cf > 0 fixed capacity (drops overflow), 0 dropless
     (default, exact), < 0 dropless capped at the cf > 0 capacity of |cf|.
     """
 
-    name = "tutel"
     impl = "harness"
     exact = True     # with the default capacity_factor=0; cf != 0 drops pairs beyond capacity
 
-    def __init__(self, ep, placement, capacity_factor: float = 0.0):
-        super().__init__(ep, placement)
-        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
-                or not math.isfinite(capacity_factor):
-            raise ValueError(f"system.capacity_factor={capacity_factor!r}: must be a finite number "
-                             "(> 0 fixed capacity, 0 dropless, < 0 dropless capped at |cf|)")
-        self.capacity_factor = float(capacity_factor)
+    @dataclass
+    class Config(SystemConfig):
+        # C = K * int(cf * ceil(T / E)) rows per (rank, expert); overflow pairs are dropped
+        # (first choices first, tokens in order). 0: dropless, C = the most any (rank,
+        # expert) needs (exact). < 0: dropless capped at the capacity of |cf|.
+        capacity_factor: float = 0.0
+
+        def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+            super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+            if not math.isfinite(self.capacity_factor):
+                raise ValueError(f"system.capacity_factor={self.capacity_factor!r}: must be a finite number "
+                                 "(> 0 fixed capacity, 0 dropless, < 0 dropless capped at |cf|)")
+
+        def is_exact(self) -> bool:
+            return self.capacity_factor == 0
 
     def _capacity(self, num_tokens: int, top_k: int, need_E: torch.Tensor, layer: int,
                   recorder: Optional[Recorder]) -> int:
@@ -141,7 +148,7 @@ class TutelDispatcher(Dispatcher):
         mine_X = torch.tensor([num_tokens, int(need_E.max()) if need_E.numel() else 0], dtype=torch.long)
         every_PX = exchange_counts(mine_X.expand(P, 2).contiguous(), self.ep, Exchange(layer, "counts", recorder))
         max_tokens, max_need = every_PX.max(0).values.tolist()
-        return capacity_rows(self.capacity_factor, top_k, max_tokens, need_E.numel(), max_need)
+        return capacity_rows(self.config.capacity_factor, top_k, max_tokens, need_E.numel(), max_need)
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         T, K = topk_ids_TK.shape

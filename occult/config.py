@@ -1,16 +1,28 @@
-"""Structured config schemas (Hydra ConfigStore), so a misspelt key fails at compose time.
+"""Structured config schemas (Hydra ConfigStore), so a misspelt or mistyped key fails at
+compose time.
 
-The YAML files under ``conf/`` fill these in; ``system`` is free-form because
-each system's options are the keyword arguments of its dispatcher class
-(checked against the class signature in :mod:`occult.validate`).
+The YAML files under ``conf/`` fill these in. Every group has its schema:
+
+* ``system``: each system's own typed config, the ``Config`` dataclass nested in its
+  class (:class:`occult.ep.system.SystemConfig`). :func:`register` finds the classes
+  from the ``_target_`` of every ``system/*.yaml`` in the config folders and stores
+  their schemas as ``system_schema/<name>``; ``conf/config.yaml`` merges the chosen
+  system's schema under its YAML (``system_schema@system: ${system}``).
+* ``model``, ``task``, ``cluster`` (runnable worlds), ``pretrain``: the dataclasses below.
+* ``profile`` (``conf/profile/sim_*.yaml``): projection profiles of clusters that are not
+  here, read by :mod:`analysis.costmodel` through :class:`ProfileConf`; never run on.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
 
+import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 @dataclass
@@ -60,17 +72,17 @@ class TaskConf:
     new_tokens: int = 16                # decode
     corpus: str = "shakespeare"         # text the batches come from
     split: str = "validation"
-    tokenizer_vocab: int = 4096
-    lr: float = 1e-3                    # train / pretrain / finetune
-    steps: int = 0                      # pretrain / finetune
-    balance_coef: float = 0.0           # load-balancing loss weight
-    eval_every: int = 0
+    lr: float = 1e-3                    # train / finetune
+    steps: int = 0                      # finetune
     save_routing: bool = False          # write routing.parquet (+ router logits) per run
+    # task=bench: the systems compared in one world (conf/system names; the first is the baseline)
+    compare: List[str] = field(default_factory=list)
 
 
 @dataclass
 class PretrainConf:
-    """How CPU proxies are pre-trained (the cached checkpoint every proxy task uses)."""
+    """How CPU proxies are pre-trained (the cached checkpoint every proxy task uses), and
+    the tokenizer every task on them reads (trained on ``corpus``, ``tokenizer_vocab`` ids)."""
     steps: int = 400
     lr: float = 3e-3
     batch_size: int = 16
@@ -79,19 +91,29 @@ class PretrainConf:
     tokenizer_vocab: int = 4096
     corpus: str = "shakespeare"
     eval_every: int = 250
+    # CPU threads of the pre-training process: float sums are ordered by the thread count,
+    # so the checkpoint is bit-for-bit the same on one machine only at the same count
+    threads: int = 2
 
 
 @dataclass
 class ClusterConf:
+    """A world that runs here: P ranks as processes on this machine (or a torchrun world)."""
     name: str = MISSING
     world_size: int = MISSING           # P
     backend: str = "gloo"               # gloo (CPU) | nccl (GPU, under torchrun)
     threads_per_rank: int = 0           # 0: cores // world_size
     run_timeout_s: float = 3600.0       # whole run
     collective_timeout_s: float = 300.0
-    # projection profiles (conf/cluster/sim_*.yaml): read by analysis.costmodel, refused by
-    # validation as a cluster to run on. Bandwidths in GB/s per device and direction.
-    simulated: bool = False
+
+
+@dataclass
+class ProfileConf:
+    """A projection profile (``conf/profile``): a cluster that is not here, for the cost
+    model. Bandwidths in GB/s per device and direction."""
+    name: str = MISSING
+    world_size: int = 0                 # devices (0: per calibrated world size)
+    backend: str = "nccl"
     devices_per_node: int = 0           # 0: every device in one node
     intra_node_GBps: float = 0.0        # device <-> device within a node (nominal)
     intra_node_latency_us: float = 0.0  # per all-to-all call within a node
@@ -99,7 +121,7 @@ class ClusterConf:
     nics_per_node: int = 0              # NICs a node's devices share for inter-node traffic
     inter_node_latency_us: float = 0.0  # per all-to-all call that crosses nodes
     device_TFLOPs: float = 0.0          # dense matmul peak per device at `dtype`
-    dtype: str = ""                     # element type of projected activations (bfloat16, float32)
+    dtype: str = "bfloat16"             # element type of projected activations (bfloat16, float32)
     link_efficiency: float = 1.0        # achieved / nominal bandwidth (an assumption unless measured)
     compute_efficiency: float = 1.0     # achieved / peak matmul throughput (idem)
     source: str = ""                    # where the numbers come from
@@ -108,17 +130,62 @@ class ClusterConf:
 
 @dataclass
 class RunConf:
-    system: Dict[str, Any] = field(default_factory=dict)
+    system: Any = MISSING               # the system's own schema (see the module docstring)
     model: ModelConf = field(default_factory=ModelConf)
     task: TaskConf = field(default_factory=TaskConf)
     cluster: ClusterConf = field(default_factory=ClusterConf)
     pretrain: PretrainConf = field(default_factory=PretrainConf)
     experiment_name: str = "adhoc"      # the results column "experiment"
+    label: str = ""                     # the results column "label" (an experiment's name for a point)
     seed: int = 0
-    resume: bool = True                 # skip a run whose results already exist
+    resume: bool = True                 # skip a run whose results (of the same config) already exist
     out_dir: Optional[str] = None       # default: Hydra's output folder
     report: str = ""                    # figure builders of an experiment's report (analysis.figures)
 
 
-def register() -> None:
-    ConfigStore.instance().store(name="run_schema", node=RunConf)
+def system_yamls(conf_dirs: Sequence[Path]) -> dict:
+    """``{name: path}`` of every ``system/*.yaml`` in the config folders (the first folder
+    that has a name wins, as in Hydra's search path)."""
+    found: dict = {}
+    for d in conf_dirs:
+        for p in sorted((Path(d) / "system").glob("*.yaml")):
+            found.setdefault(p.stem, p)
+    return found
+
+
+def _schema_of(path: Path):
+    """The typed config class named by a system YAML's ``_target_`` (None when it cannot be
+    imported: validation then reports why)."""
+    from .ep.system import import_object, system_schema
+    from .errors import ConfigError
+
+    target = (yaml.safe_load(path.read_text()) or {}).get("_target_", "")
+    try:
+        return system_schema(import_object(target))
+    except (ImportError, AttributeError, ValueError, ConfigError):
+        return None
+
+
+def register(conf_dirs: Sequence[Path] = ()) -> None:
+    """Stores the run schema and every system's schema (from ``conf/`` and ``conf_dirs``,
+    e.g. a user's folders on ``hydra.searchpath``) in Hydra's ConfigStore."""
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConf)
+    for name, path in system_yamls([CONF_DIR, *conf_dirs]).items():
+        schema = _schema_of(path)
+        cs.store(group="system_schema", name=name, node=schema if schema is not None else {})
+
+
+def searchpath_dirs(argv: Sequence[str]) -> list:
+    """The local folders a command line adds with ``hydra.searchpath=[...]`` (``file://``
+    entries or plain paths; ``pkg://`` entries are not folders)."""
+    dirs = []
+    for arg in argv:
+        if not arg.startswith("hydra.searchpath="):
+            continue
+        value = arg.split("=", 1)[1].strip().strip("[]")
+        for item in value.split(","):
+            item = item.strip().strip("'\"")
+            if item and not item.startswith("pkg://"):
+                dirs.append(Path(item[len("file://"):] if item.startswith("file://") else item))
+    return dirs

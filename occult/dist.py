@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -39,7 +40,6 @@ class RankContext:
     world_size: int
     ep: EPGroup
     seed: int
-    device: str = "cpu"
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -66,17 +66,14 @@ def _init_rank(rank: int, world_size: int, init_method: Optional[str], backend: 
                timeout_s: float, threads: int, seed: int) -> RankContext:
     torch.set_num_threads(threads)
     torch.manual_seed(rank_seed(seed, rank))
-    device = "cpu"
     if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local)
-        device = f"cuda:{local}"
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     kwargs = dict(backend=backend, rank=rank, world_size=world_size,
                   timeout=datetime.timedelta(seconds=timeout_s))
     if init_method is not None:
         kwargs["init_method"] = init_method
     dist.init_process_group(**kwargs)
-    return RankContext(rank, world_size, EPGroup(rank, world_size, dist.group.WORLD), seed, device)
+    return RankContext(rank, world_size, EPGroup(rank, world_size, dist.group.WORLD), seed)
 
 
 def _worker(rank, world_size, port, backend, timeout_s, threads, seed, fn, args, results, errors):
@@ -127,7 +124,8 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: i
 
 
 def _supervise(procs, results, errors, timeout_s) -> list:
-    """Collects results; on the first error or a dead rank, fails with that rank's traceback."""
+    """Collects results; on the first error or a dead rank, fails with that rank's traceback
+    (a rank killed by a signal is named as the cause of its peers' errors)."""
     deadline = time.monotonic() + timeout_s
     out: dict = {}
     while len(out) < len(procs):
@@ -140,10 +138,13 @@ def _supervise(procs, results, errors, timeout_s) -> list:
         failure = _first_error(errors)
         if failure is not None:
             rank, tb = failure
-            raise RankFailed(f"rank {rank} of {len(procs)} failed:\n{tb}")
+            raise RankFailed(_killed(procs, out) or f"rank {rank} of {len(procs)} failed:\n{tb}")
         for r, p in enumerate(procs):
             if r not in out and not p.is_alive() and p.exitcode not in (0, None):
                 failure = _first_error(errors, wait=1.0)
+                killed = _killed(procs, out)
+                if killed:
+                    raise RankFailed(killed)
                 if failure is not None:
                     raise RankFailed(f"rank {failure[0]} of {len(procs)} failed:\n{failure[1]}")
                 raise RankFailed(f"rank {r} of {len(procs)} died with exit code {p.exitcode} "
@@ -152,6 +153,28 @@ def _supervise(procs, results, errors, timeout_s) -> list:
             missing = sorted(set(range(len(procs))) - set(out))
             raise RankFailed(f"run timed out after {timeout_s:.0f} s waiting for ranks {missing}")
     return [out[r] for r in range(len(procs))]
+
+
+def _killed(procs, out: dict) -> str:
+    """'rank r of P was killed by SIGKILL ...' when a rank without a result died from a
+    signal (its peers then fail with connection errors that are not the cause), else ''."""
+    for p in procs:
+        p.join(timeout=0.2 if p.is_alive() else 0)
+    dead = [(r, p.exitcode) for r, p in enumerate(procs)
+            if r not in out and p.exitcode is not None and p.exitcode < 0]
+    if not dead:
+        return ""
+    names = ", ".join(f"rank {r} of {len(procs)} was killed by {_signal_name(-code)} (exit code {code})"
+                      for r, code in dead)
+    return (f"{names}; the other ranks' errors (e.g. 'Connection reset by peer') follow from it. "
+            "Look for what sent the signal (the out-of-memory killer, a timeout, a user).")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _first_error(errors, wait: float = 0.0):

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .ep import MoELayer, Placement, Recorder, ReferenceMoE, devices_per_token, init_expert_weights
+from .ep import MoELayer, Placement, Recorder, ReferenceMoE, devices_per_token, init_expert_weights, system_config
 from .synthetic import expert_popularity, sample_topk
 
 # routing patterns a parity case can ask for
@@ -78,9 +78,9 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def check_layer(ctx, dispatcher_cls, case: LayerCase, placement: Optional[Placement] = None,
-                options: Optional[dict] = None) -> dict:
-    """Runs one case on this rank; returns relative errors and the recorder's events.
+def check_layer(ctx, system, case: LayerCase, placement: Optional[Placement] = None) -> dict:
+    """Runs one case on this rank for ``system`` (a system config or its dict); returns
+    relative errors and the recorder's events.
 
     Must be called on every rank of ``ctx``'s world, with the same arguments.
     """
@@ -95,7 +95,7 @@ def check_layer(ctx, dispatcher_cls, case: LayerCase, placement: Optional[Placem
     out_ref = ref(x_ref, prob.ids_TK)
     (out_ref * prob.grad_TD).sum().backward()
 
-    dispatcher = dispatcher_cls(ctx.ep, placement, **(options or {}))
+    dispatcher = system_config(system).build(ctx.ep, 0, case.num_experts, placement)
     layer = MoELayer.from_global(prob.router_ED, prob.experts, case.top_k, dispatcher, case.renormalize)
     x = prob.x_TD[lo:hi].clone().requires_grad_(True)
     ids = None if prob.ids_TK is None else prob.ids_TK[lo:hi]
@@ -125,16 +125,14 @@ def check_layer(ctx, dispatcher_cls, case: LayerCase, placement: Optional[Placem
 
 
 def run_grid(ctx, jobs: list) -> list:
-    """Runs ``[(dispatcher_cls_path, options, case, placement_groups or None), ...]`` in one world.
+    """Runs ``[(system dict, case, placement_groups or None), ...]`` in one world.
 
     Starting a world costs seconds; tests and benchmarks run whole grids in one.
     """
-    from .validate import import_object
-
     out = []
-    for cls_path, options, case, groups in jobs:
+    for system, case, groups in jobs:
         placement = Placement.from_groups(groups) if groups else None
-        out.append(check_layer(ctx, import_object(cls_path), case, placement, options))
+        out.append(check_layer(ctx, system, case, placement))
     return out
 
 
@@ -162,7 +160,7 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     ids = ids_all[rank * batch_per_rank:(rank + 1) * batch_per_rank]
 
     ref = base_model(cfg, vocab_size)
-    model = make_rank_model(ctx, copy.deepcopy(ref), cfg, OmegaConf.to_container(cfg.system))
+    model = make_rank_model(ctx, copy.deepcopy(ref), cfg)
     ref_out = ref(input_ids=ids_all, labels=ids_all)
     ref_out.loss.backward()
     rec = Recorder(rank=rank)

@@ -1,16 +1,25 @@
 """The tidy results table: one row per measurement, long format, with units and provenance.
 
-Columns (see DESIGN.md): the run's context (run_id, experiment, system, impl,
-model, task, cluster, world_size, num_experts, top_k, hidden_size,
-expert_ffn_size, tokens_per_rank, routing, batch_size, seq_len, seed), the
-measurement (layer, rank, phase, pass, metric, value, unit, sample, src_rank,
-dst_rank) and provenance (git_commit, torch_version, device, hostname, time).
+Columns: the run's context (run_id, experiment, label, system, impl,
+system_options, model, init, task, cluster, world_size, num_experts, top_k,
+hidden_size, expert_ffn_size, tokens_per_rank, routing, batch_size, seq_len, seed,
+config_hash), the measurement (layer, rank, phase, pass, metric, value, unit,
+sample, src_rank, dst_rank) and provenance (git_commit, torch_version, device,
+hostname, time, clock).
+
+``run_id`` is unique per composed config: readable fields and ``config_hash``, a
+digest of the composed config (:func:`config_hash`); ``system_options`` is the
+system's typed options as canonical JSON; ``init`` says where the weights came from
+(a checkpoint folder, or ``random``); ``label`` is what an experiment calls the point
+("" when it does not say).
 
 ``rank = -1`` marks a value over all ranks; ``sample = -1`` one that is not a
 timed sample; ``src_rank`` / ``dst_rank = -1`` one that is not per peer pair.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import platform
 import socket
@@ -24,12 +33,15 @@ import torch
 
 MEASUREMENT_COLUMNS = ["layer", "rank", "phase", "pass", "metric", "value", "unit", "sample",
                        "src_rank", "dst_rank"]
-CONTEXT_COLUMNS = ["run_id", "experiment", "system", "impl", "model", "task", "cluster", "world_size",
-                   "num_experts", "top_k", "hidden_size", "expert_ffn_size", "tokens_per_rank",
-                   "routing", "batch_size", "seq_len", "seed"]
-PROVENANCE_COLUMNS = ["git_commit", "torch_version", "device", "hostname", "time"]
+CONTEXT_COLUMNS = ["run_id", "experiment", "label", "system", "impl", "system_options", "model", "init", "task",
+                   "cluster", "world_size", "num_experts", "top_k", "hidden_size", "expert_ffn_size",
+                   "tokens_per_rank", "routing", "batch_size", "seq_len", "seed", "config_hash"]
+PROVENANCE_COLUMNS = ["git_commit", "torch_version", "device", "hostname", "time", "clock"]
 COLUMNS = CONTEXT_COLUMNS + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
 RESULTS_FILE = "results.parquet"
+RUN_CONFIG_FILE = "run_config.json"      # the composed config the results belong to (resume checks it)
+# keys of the composed config that do not change a run's results (left out of its hash)
+NOT_HASHED = ("resume", "out_dir", "report", "cluster.run_timeout_s", "cluster.collective_timeout_s")
 
 
 def row(metric: str, value: float, unit: str, *, layer: int = -1, rank: int = -1, phase: str = "",
@@ -65,16 +77,71 @@ def device_name() -> str:
 
 
 def provenance() -> dict:
+    from .ep.measure import CLOCK
     return {"git_commit": git_commit(), "torch_version": torch.__version__, "device": device_name(),
             "hostname": socket.gethostname(),
-            "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "clock": CLOCK}
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def hashed_config(cfg_container: dict) -> dict:
+    """The composed config (resolved, plain containers) as it is hashed: flattened, without
+    the keys that do not change results (:data:`NOT_HASHED`)."""
+    flat = flatten({k: v for k, v in cfg_container.items() if k != "hydra"})
+    return {k: v for k, v in flat.items() if not any(k == n or k.startswith(n + ".") for n in NOT_HASHED)}
+
+
+def config_hash(hashed: dict) -> str:
+    """A short digest of :func:`hashed_config` (canonical JSON, sorted keys)."""
+    text = json.dumps(hashed, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def config_diff(stored: dict, current: dict) -> list:
+    """Keys whose values differ between two :func:`hashed_config` dicts, as ``key: a -> b``."""
+    keys = sorted(set(stored) | set(current))
+    missing = "<absent>"
+    return [f"{k}: {stored.get(k, missing)!r} -> {current.get(k, missing)!r}" for k in keys
+            if stored.get(k, missing) != current.get(k, missing)]
+
+
+def write_run_config(out_dir, hashed: dict) -> Path:
+    """Writes the hashed config next to the results (atomically)."""
+    path = Path(out_dir) / RUN_CONFIG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"config_hash": config_hash(hashed), "config": hashed}, sort_keys=True, indent=1,
+                      default=str)
+    _atomic_write(path, lambda p: Path(p).write_text(text))
+    return path
+
+
+def read_run_config(out_dir) -> "dict | None":
+    """``{"config_hash", "config"}`` stored with a run's results (None when absent)."""
+    path = Path(out_dir) / RUN_CONFIG_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
 
 
 def make_frame(rows: list, context: dict) -> pd.DataFrame:
-    """Rows plus the run's context and provenance, in the schema's column order."""
-    df = pd.DataFrame(rows, columns=MEASUREMENT_COLUMNS)
+    """Rows plus the run's context and provenance, in the schema's column order. A row
+    may carry its own value of a context column (e.g. one of several systems a run
+    compares); the run's value fills the rest."""
+    own = [c for c in CONTEXT_COLUMNS if any(c in r for r in rows)]
+    df = pd.DataFrame(rows, columns=MEASUREMENT_COLUMNS + own)
     for key, value in {**context, **provenance()}.items():
-        df[key] = value
+        df[key] = df[key].where(df[key].notna(), value) if key in own else value
     missing = [c for c in COLUMNS if c not in df.columns]
     if missing:
         raise ValueError(f"results: context lacks columns {missing}")

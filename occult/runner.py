@@ -1,48 +1,80 @@
 """What ``run.py`` does with a composed config: validate -> launch ranks -> gather rows -> write.
 
-Also the Hydra callback that closes a multirun: it lists failed points (their
-``error.txt``) and fails the sweep after every other point has written its
-results, so a rerun of the same command resumes where it stopped.
+Also what a sweep needs around each point: progress (points done of all, the point
+running, the time left), resume (a point is skipped only when its folder holds results
+of the same composed config; a folder with another config's results fails with the keys
+that differ), and :class:`SweepSummary`, the Hydra callback that closes a multirun by
+listing failed points (their ``error.txt``), so that a rerun of the same command resumes
+where it stopped. The sweep's report is another callback named in config
+(:class:`analysis.callbacks.SweepReport`); the runner does not import ``analysis``.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from .dist import launch
-from .records import has_results, make_frame, row, write_results
-from .validate import import_object, system_class, validate
+from .ep import import_object, system_config
+from .errors import ConfigError
+from .records import (config_diff, config_hash, has_results, hashed_config, make_frame, read_run_config, row,
+                      write_results, write_run_config)
+from .validate import validate
 
 log = logging.getLogger("occult")
 ERROR_FILE = "error.txt"
 # points of this process's multirun that failed; run.py exits non-zero when any did
 FAILED_POINTS: list = []
+# the number of points of the running sweep (set by the sweeper, read for progress lines)
+SWEEP_POINTS_ENV = "OCCULT_SWEEP_POINTS"
 
 
-def run_context(cfg: DictConfig, impl: str) -> dict:
+def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
     """The context columns of every row of this run."""
     m, t, c = cfg.model, cfg.task, cfg.cluster
-    return {"run_id": f"{cfg.experiment_name}/{cfg.system.name}/{m.name}/{t.name}/{c.name}/k{m.top_k}/s{cfg.seed}",
-            "experiment": cfg.experiment_name, "system": cfg.system.name, "impl": impl, "model": m.name,
-            "task": t.name, "cluster": c.name, "world_size": c.world_size, "num_experts": m.num_experts,
-            "top_k": m.top_k, "hidden_size": m.hidden_size, "expert_ffn_size": m.expert_ffn_size,
-            "tokens_per_rank": t.tokens_per_rank, "routing": t.routing,
-            "batch_size": t.get("batch_size", -1), "seq_len": t.get("seq_len", -1), "seed": cfg.seed}
+    config = system_config(cfg.system)
+    return {"run_id": f"{cfg.experiment_name}/{config.name}/{m.name}/{t.name}/{c.name}/{digest}",
+            "experiment": cfg.experiment_name, "label": cfg.label, "system": config.name, "impl": config.impl,
+            "system_options": config.options_json(), "model": m.name,
+            "init": cfg_dict.get("checkpoint") or "random", "task": t.name, "cluster": c.name,
+            "world_size": c.world_size, "num_experts": m.num_experts, "top_k": m.top_k,
+            "hidden_size": m.hidden_size, "expert_ffn_size": m.expert_ffn_size,
+            "tokens_per_rank": t.tokens_per_rank, "routing": t.routing, "batch_size": t.batch_size,
+            "seq_len": t.seq_len, "seed": cfg.seed, "config_hash": digest}
+
+
+def already_done(out_dir: Path, hashed: dict) -> bool:
+    """True when ``out_dir`` holds the results of this very config (skip it); raises
+    :class:`ConfigError` when it holds another config's results."""
+    if not has_results(out_dir):
+        return False
+    stored = read_run_config(out_dir)
+    how = (f"rerun with resume=false to replace them, or into another folder "
+           f"(out_dir=... for a single run, hydra.sweep.dir=... for a sweep)")
+    if stored is None:
+        raise ConfigError(f"{out_dir} holds results without a record of their config (written by an older "
+                          f"version); {how}")
+    if stored["config_hash"] == config_hash(hashed):
+        return True
+    diff = config_diff(stored["config"], hashed)
+    raise ConfigError(f"{out_dir} holds results of a different config ({'; '.join(diff)}); {how}")
 
 
 def run(cfg: DictConfig, out_dir) -> Path | None:
     """Runs one configuration; returns the results file (None when skipped)."""
     out_dir = Path(out_dir)
-    if cfg.resume and has_results(out_dir):
-        log.info("results exist in %s: skipped (resume=true)", out_dir)
+    hashed = hashed_config(OmegaConf.to_container(cfg, resolve=True))
+    digest = config_hash(hashed)
+    if cfg.resume and already_done(out_dir, hashed):
+        log.info("results of this config exist in %s: skipped (resume=true)", out_dir)
         return None
     validate(cfg)
-    impl = system_class(OmegaConf.to_container(cfg.system)).impl
     entry = import_object(cfg.task.entry)
     c = cfg.cluster
     log.info("running system=%s model=%s task=%s on %d rank(s)", cfg.system.name, cfg.model.name,
@@ -50,7 +82,7 @@ def run(cfg: DictConfig, out_dir) -> Path | None:
     t0 = time.perf_counter()
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     cfg_dict["out_dir_resolved"] = str(out_dir)
-    if cfg.task.get("prepare"):
+    if cfg.task.prepare:
         cfg_dict = import_object(cfg.task.prepare)(cfg_dict)
     per_rank = launch(entry, c.world_size, (cfg_dict,), seed=cfg.seed,
                       timeout_s=c.run_timeout_s, collective_timeout_s=c.collective_timeout_s,
@@ -60,22 +92,80 @@ def run(cfg: DictConfig, out_dir) -> Path | None:
     rows = [r for rank_rows in per_rank for r in rank_rows]
     # the point's wall time here, start-up and any pre-training of a missing proxy included
     rows.append(row("run_wall_time", time.perf_counter() - t0, "s"))
-    df = make_frame(rows, run_context(cfg, impl))
+    df = make_frame(rows, run_context(cfg, cfg_dict, digest))
+    write_run_config(out_dir, hashed)
     path = write_results(df, out_dir)
     (out_dir / ERROR_FILE).unlink(missing_ok=True)
     log.info("wrote %d rows to %s in %.1f s", len(df), path, time.perf_counter() - t0)
     return path
 
 
-def run_or_record_failure(cfg: DictConfig, out_dir, multirun: bool) -> Path | None:
-    """In a multirun, a failing point writes ``error.txt`` and the sweep goes on."""
-    try:
-        return run(cfg, out_dir)
-    except Exception as exc:
-        if not multirun:
-            raise
+@dataclass
+class Progress:
+    """Progress of this process's sweep: points started, seconds of the points that ran."""
+
+    started: int = 0
+    ran_seconds: list = field(default_factory=list)
+    skipped: int = 0
+
+    def begin(self, overrides: str) -> None:
+        self.started += 1
+        total = os.environ.get(SWEEP_POINTS_ENV)
+        done = self.started - 1
+        left = ""
+        if total and self.ran_seconds:
+            remaining = int(total) - done
+            per_point = sum(self.ran_seconds) / len(self.ran_seconds)
+            left = f", about {_minutes(per_point * remaining * (1 - self.skipped / max(done, 1)))} left"
+        of = f"/{total}" if total else ""
+        log.info("[point %d%s] %s (%d done%s)", self.started, of, overrides or "(no overrides)", done, left)
+
+    def end(self, seconds: float, skipped: bool) -> None:
+        if skipped:
+            self.skipped += 1
+        else:
+            self.ran_seconds.append(seconds)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+PROGRESS = Progress()
+
+
+def log_chain(exc: BaseException, out_dir=None) -> None:
+    """The full traceback of ``exc`` into the run's log file (and ``error.txt`` in
+    ``out_dir``), not onto the screen."""
+    text = "".join(traceback.format_exception(exc))
+    record = logging.LogRecord("occult", logging.ERROR, __file__, 0, "%s", (text,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+    if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / ERROR_FILE).write_text(traceback.format_exc())
+        (Path(out_dir) / ERROR_FILE).write_text(text)
+
+
+def run_or_record_failure(cfg: DictConfig, out_dir, multirun: bool, overrides: str = "") -> Path | None:
+    """In a multirun, a failing point writes ``error.txt`` and the sweep goes on; a single
+    run with an invalid config exits with one line (the traceback goes to the log)."""
+    t0 = time.perf_counter()
+    if multirun:
+        PROGRESS.begin(overrides)
+    try:
+        path = run(cfg, out_dir)
+        if multirun:
+            PROGRESS.end(time.perf_counter() - t0, skipped=path is None)
+        return path
+    except Exception as exc:
+        if multirun:
+            PROGRESS.end(time.perf_counter() - t0, skipped=False)
+        log_chain(exc, out_dir)
+        if not multirun:
+            if isinstance(exc, ConfigError):
+                raise SystemExit(f"error: {exc}")
+            raise
         FAILED_POINTS.append(str(out_dir))
         log.error("point failed (%s); see %s", str(exc).splitlines()[0], Path(out_dir) / ERROR_FILE)
         return None
@@ -86,17 +176,13 @@ def failed_points(sweep_dir) -> list[Path]:
 
 
 class SweepSummary(Callback):
-    """Closes a multirun: writes its report and lists the points that failed
-    (run.py then exits non-zero)."""
+    """Closes a multirun: lists the points that failed (run.py then exits non-zero)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         failed = failed_points(sweep_dir)
-        if any(sweep_dir.rglob("results.parquet")):
-            from analysis.report import write_report
-            log.info("report: %s", write_report([sweep_dir], sweep_dir, builders=config.get("report", "")))
         if failed:
             names = "\n  ".join(str(p) for p in failed)
             log.error(f"{len(failed)} sweep point(s) failed (see error.txt in each):\n  {names}\n"
-                               "The other points' results are intact; rerun the same command with "
-                               f"hydra.sweep.dir={sweep_dir} to run only what is missing.")
+                      "The other points' results are intact; rerun the same command with "
+                      f"hydra.sweep.dir={sweep_dir} to run only what is missing.")

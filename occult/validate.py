@@ -1,63 +1,36 @@
-"""Config validation before any process starts: errors name the field and the allowed values."""
+"""Config validation before any process starts: errors name the field and the allowed values.
+
+Composition already refused misspelt keys and wrong types (the schemas in
+:mod:`occult.config`); this refuses values that compose but cannot run.
+"""
 from __future__ import annotations
 
-import importlib
-import inspect
 import os
 import warnings
-from pathlib import Path
 
+from .config import CONF_DIR
+from .ep import import_object, system_config
+from .errors import ConfigError
 from .synthetic import ROUTINGS
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+__all__ = ["ConfigError", "available", "validate"]
 
-
-class ConfigError(ValueError):
-    """An impossible configuration, found before any rank starts."""
-
-
-def import_object(path: str):
-    """``'pkg.mod.Name'`` -> the object."""
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+DTYPES = ("float32", "float64", "bfloat16")
+BACKENDS = ("gloo", "nccl")
 
 
 def available(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def system_options(system: dict) -> dict:
-    """The system's own options: every key but ``name`` and ``_target_``."""
-    return {k: v for k, v in system.items() if k not in ("name", "_target_")}
-
-
-def system_class(system: dict):
-    """Imports the dispatcher class of a system config, with a clear error."""
-    name, target = system.get("name"), system.get("_target_")
-    if not name or not target:
-        raise ConfigError(f"system: needs 'name' and '_target_'; available systems: {available('system')}")
-    try:
-        cls = import_object(target)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"system={name}: cannot import {target!r} ({exc}); "
-                          f"available systems: {available('system')}") from exc
-    params = inspect.signature(cls.__init__).parameters
-    allowed = [p for p in params if p not in ("self", "ep", "placement")]
-    for key in system_options(system):
-        if key not in allowed:
-            raise ConfigError(f"system.{key}: unknown option of system '{name}'; allowed: {allowed}")
-    return cls
-
-
 def _expert_parallel_systems() -> list[str]:
     import yaml
     out = []
     for name in available("system"):
-        target = (yaml.safe_load((CONF_DIR / "system" / f"{name}.yaml").read_text()) or {}).get("_target_", "")
         try:
-            if getattr(import_object(target), "expert_parallel", True):
+            if system_config(yaml.safe_load((CONF_DIR / "system" / f"{name}.yaml").read_text())).expert_parallel:
                 out.append(name)
-        except (ImportError, AttributeError, ValueError):
+        except ConfigError:
             continue
     return out
 
@@ -68,43 +41,73 @@ def _models_with_family() -> list[str]:
                   if (yaml.safe_load(p.read_text()) or {}).get("family"))
 
 
-def validate(cfg) -> list[str]:
-    """Raises :class:`ConfigError` for impossible runs; returns warnings (also issued)."""
-    m, t, c = cfg.model, cfg.task, cfg.cluster
-    if c.get("simulated", False):
-        runnable = [n for n in available("cluster") if not n.startswith("sim_")]
-        raise ConfigError(f"cluster={c.name} is a projection profile (cluster.simulated=true), not a cluster "
-                          f"to run on: use it with python -m analysis.project RUN_DIRS --cluster {c.name}. "
-                          f"Clusters that run: {runnable}")
-    E, K, P = m.num_experts, m.top_k, c.world_size
-    if E < 1:
-        raise ConfigError(f"model.num_experts={E}: must be at least 1")
+def _at_least(field: str, value, low) -> None:
+    if value < low:
+        raise ConfigError(f"{field}={value}: must be at least {low}")
+
+
+def _check_model(m) -> None:
+    E, K = m.num_experts, m.top_k
+    _at_least("model.num_experts", E, 1)
     if not 1 <= K <= E:
         raise ConfigError(f"model.top_k={K}: allowed values are 1..model.num_experts={E}")
-    if P < 1:
-        raise ConfigError(f"cluster.world_size={P}: must be at least 1")
+    for field in ("hidden_size", "expert_ffn_size", "num_layers", "num_heads"):
+        _at_least(f"model.{field}", m[field], 1)
+    if m.dtype not in DTYPES:
+        raise ConfigError(f"model.dtype={m.dtype!r}: allowed values are {list(DTYPES)}")
+    if not 0 <= m.first_k_dense < m.num_layers:
+        raise ConfigError(f"model.first_k_dense={m.first_k_dense}: allowed values are 0..model.num_layers-1="
+                          f"{m.num_layers - 1} (at least one MoE layer)")
+    if m.init not in ("trained", "random"):
+        raise ConfigError(f"model.init={m.init!r}: allowed values are ['trained', 'random']")
+
+
+def _check_task(t) -> None:
     if t.routing not in ROUTINGS:
         raise ConfigError(f"task.routing={t.routing!r}: allowed values are {list(ROUTINGS)}")
+    if t.zipf_s < 0:
+        raise ConfigError(f"task.zipf_s={t.zipf_s}: must be >= 0 (0 is uniform routing; larger is more skewed)")
     if t.tokens_per_rank < 0:
         raise ConfigError(f"task.tokens_per_rank={t.tokens_per_rank}: must be >= 0")
     if t.iters < 1 or t.warmup < 0:
         raise ConfigError(f"task.iters={t.iters}, task.warmup={t.warmup}: need iters >= 1, warmup >= 0")
-    if c.backend not in ("gloo", "nccl"):
-        raise ConfigError(f"cluster.backend={c.backend!r}: allowed values are ['gloo', 'nccl']")
+    if t.whole_model:
+        _at_least("task.batch_size", t.batch_size, 1)
+        _at_least("task.seq_len", t.seq_len, 1)
+    if t.steps < 0 or t.new_tokens < 0:
+        raise ConfigError(f"task.steps={t.steps}, task.new_tokens={t.new_tokens}: must be >= 0")
     try:
         import_object(t.entry)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"task.entry={t.entry!r} cannot be imported ({exc}); "
                           f"available tasks: {available('task')}") from exc
-    cls = system_class(dict(cfg.system))
-    if t.get("expert_parallel_only", False) and not getattr(cls, "expert_parallel", True):
-        raise ConfigError(f"system={cfg.system.name} has no expert-parallel dispatcher; task={t.name} needs "
+
+
+def validate(cfg) -> list[str]:
+    """Raises :class:`ConfigError` for impossible runs; returns warnings (also issued)."""
+    m, t, c = cfg.model, cfg.task, cfg.cluster
+    _check_model(m)
+    _check_task(t)
+    P = c.world_size
+    _at_least("cluster.world_size", P, 1)
+    if c.backend not in BACKENDS:
+        raise ConfigError(f"cluster.backend={c.backend!r}: allowed values are {list(BACKENDS)}")
+    try:
+        system = system_config(cfg.system)
+    except ConfigError as exc:
+        if str(exc).startswith("system."):      # an option of a known system
+            raise
+        raise ConfigError(f"{exc}; available systems: {available('system')}") from exc
+    if t.expert_parallel_only and not system.expert_parallel:
+        raise ConfigError(f"system={system.name} has no expert-parallel dispatcher; task={t.name} needs "
                           f"one. Expert-parallel systems: {_expert_parallel_systems()}")
-    if t.get("whole_model", False) and not m.get("family"):
+    if t.whole_model and not m.family:
         raise ConfigError(f"task={t.name} runs a whole model; model={m.name} has no model.family "
                           f"(a layer-only config). Models with a family: {_models_with_family()}")
+    if t.whole_model and m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
     try:
-        cls.check_config(num_experts=E, top_k=K, world_size=P, **system_options(dict(cfg.system)))
+        system.check(num_experts=m.num_experts, top_k=m.top_k, world_size=P)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     notes = []

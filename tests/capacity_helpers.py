@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 from occult.ep import MoELayer, Placement, Recorder
 from occult.parity import make_problem, run_grid
-from occult.validate import import_object
+from occult.ep import system_config
 
 
 def layer_call(ctx, cls_path: str, options: dict, case) -> dict:
@@ -18,7 +18,8 @@ def layer_call(ctx, cls_path: str, options: dict, case) -> dict:
     prob = make_problem(case, placement)
     lo = sum(case.tokens[:ctx.rank])
     hi = lo + case.tokens[ctx.rank]
-    dispatcher = import_object(cls_path)(ctx.ep, placement, **options)
+    dispatcher = system_config({"name": cls_path.rsplit('.', 1)[-1], "_target_": cls_path, **options}).build(
+        ctx.ep, 0, case.num_experts, placement)
     layer = MoELayer.from_global(prob.router_ED, prob.experts, case.top_k, dispatcher, case.renormalize)
     x_TD = prob.x_TD[lo:hi].clone().requires_grad_(True)
     rec = Recorder(rank=ctx.rank)

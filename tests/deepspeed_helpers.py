@@ -1,7 +1,7 @@
 """Rank functions for tests/test_deepspeed.py (importable by spawned ranks)."""
 import torch
 
-from occult.ep import MoELayer, Placement, Recorder, reference_moe
+from occult.ep import MoELayer, Placement, Recorder, reference_moe, system_config
 from occult.parity import make_problem, run_grid
 
 DEEPSPEED = "baselines.deepspeed.DeepSpeedDispatcher"
@@ -21,14 +21,13 @@ def dropping_call(ctx, case, options: dict, keep_TK: list) -> dict:
     the output is compared with the reference MoE on the kept routes only.
     Returns the relative error, the recorder's counters and rows per peer.
     """
-    from baselines.deepspeed import DeepSpeedDispatcher
-
     placement = Placement.contiguous(case.num_experts, ctx.world_size)
     prob = make_problem(case, placement)
     lo = sum(case.tokens[:ctx.rank])
     hi = lo + case.tokens[ctx.rank]
+    config = system_config({"name": "deepspeed", "_target_": DEEPSPEED, **options})
     layer = MoELayer.from_global(prob.router_ED, prob.experts, case.top_k,
-                                 DeepSpeedDispatcher(ctx.ep, placement, **options))
+                                 config.build(ctx.ep, 0, case.num_experts, placement))
     x_TD, ids_TK = prob.x_TD[lo:hi], prob.ids_TK[lo:hi]
     rec = Recorder(rank=ctx.rank)
     with torch.no_grad():

@@ -1,23 +1,34 @@
-"""The systems under test: every conf/system/*.yaml, with its dispatcher class."""
+"""The systems under test: every conf/system/*.yaml (and those of extra config folders),
+with its typed config."""
 from pathlib import Path
 
 import yaml
 
-from occult.validate import import_object, system_options
+from occult.ep import system_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "system"
 
 
-def system_configs() -> dict:
-    return {p.stem: yaml.safe_load(p.read_text()) for p in sorted(CONF.glob("*.yaml"))}
+def system(target: str, name: str = "", **options) -> dict:
+    """A system's dict (what conf/system/*.yaml holds) for class ``target`` with ``options``."""
+    return {"name": name or target.rsplit(".", 1)[-1], "_target_": target, **options}
 
 
-def exact_systems() -> dict:
+def system_configs(extra_dirs=()) -> dict:
+    """name -> the system's YAML (name, _target_), from conf/system and ``extra_dirs``/system."""
+    found = {}
+    for folder in (CONF, *(Path(d) / "system" for d in extra_dirs)):
+        for p in sorted(Path(folder).glob("*.yaml")):
+            found.setdefault(p.stem, yaml.safe_load(p.read_text()))
+    return found
+
+
+def exact_systems(extra_dirs=()) -> dict:
     """Expert-parallel systems that claim exact top-k MoE with their default options:
-    name -> (class path, options). The reference (no dispatcher) is what they are checked against."""
+    name -> the system's dict. The reference (no dispatcher) is what they are checked against."""
     out = {}
-    for name, cfg in system_configs().items():
-        cls = import_object(cfg["_target_"])
-        if getattr(cls, "exact", True) and getattr(cls, "expert_parallel", True):
-            out[name] = (cfg["_target_"], system_options(cfg))
+    for name, cfg in system_configs(extra_dirs).items():
+        config = system_config(cfg)
+        if config.expert_parallel and config.is_exact():
+            out[name] = cfg
     return out

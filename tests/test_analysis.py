@@ -3,6 +3,7 @@
 No runs are started: results frames are synthetic, in the real schema
 (occult.records), and written where load_runs finds them.
 """
+import json
 import warnings
 from pathlib import Path
 
@@ -18,7 +19,6 @@ from analysis.lcc import component_growth, largest_component, token_counts, topk
 from analysis.report import write_report
 from occult.config import register
 from occult.records import make_frame, row, write_results
-from occult.validate import ConfigError, validate
 
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
 register()
@@ -74,7 +74,7 @@ def test_a2a_time_on_a_hand_example():
 
 def test_a2a_time_across_nodes_uses_the_nic_share():
     # 4 ranks, 2 per node: intra 10 GB/s; one 1 GB/s NIC per node shared by 2 devices -> 0.5 GB/s
-    prof = cm.profile_from_dict({"name": "t", "simulated": True, "world_size": 4, "devices_per_node": 2,
+    prof = cm.profile_from_dict({"name": "t", "world_size": 4, "devices_per_node": 2,
                                  "intra_node_GBps": 10.0, "intra_node_latency_us": 5.0, "inter_node_GBps": 1.0,
                                  "nics_per_node": 1, "inter_node_latency_us": 20.0, "device_TFLOPs": 1.0,
                                  "dtype": "bfloat16"})
@@ -91,7 +91,7 @@ def test_a2a_time_across_nodes_uses_the_nic_share():
 
 
 def test_efficiency_scales_the_link():
-    prof = cm.profile_from_dict({"name": "t", "simulated": True, "world_size": 2, "intra_node_GBps": 10.0,
+    prof = cm.profile_from_dict({"name": "t", "world_size": 2, "intra_node_GBps": 10.0,
                                  "link_efficiency": 0.5, "device_TFLOPs": 2.0, "compute_efficiency": 0.25,
                                  "dtype": "bfloat16"})
     assert prof.at(2).intra_Bps == pytest.approx(5e9) and prof.at(2).flops == pytest.approx(0.5e12)
@@ -115,11 +115,13 @@ def test_calibration_fit_recovers_a_line():
 # synthetic runs in the results schema
 # ---------------------------------------------------------------------------
 
-def _context(system, model, task, P, E, K, D, F, routing="uniform", T=64):
-    return {"run_id": f"t/{system}/{model}/{task}/{P}/{K}/{routing}", "experiment": "synthetic",
-            "system": system, "impl": "harness", "model": model, "task": task, "cluster": f"cpu{P}",
+def _context(system, model, task, P, E, K, D, F, routing="uniform", T=64, options=None):
+    return {"run_id": f"t/{system}/{model}/{task}/{P}/{K}/{routing}", "experiment": "synthetic", "label": "",
+            "system": system, "impl": "harness", "system_options": json.dumps(options or {}, sort_keys=True),
+            "model": model, "init": "random", "task": task, "cluster": f"cpu{P}",
             "world_size": P, "num_experts": E, "top_k": K, "hidden_size": D, "expert_ffn_size": F,
-            "tokens_per_rank": T, "routing": routing, "batch_size": 2, "seq_len": 32, "seed": 0}
+            "tokens_per_rank": T, "routing": routing, "batch_size": 2, "seq_len": 32, "seed": 0,
+            "config_hash": f"{system}{P}{K}{routing}"}
 
 
 def _comm_rows(P, rows_per_peer, D, layers=(0,), directions=("forward", "backward")):
@@ -233,7 +235,7 @@ def synthetic_sweep(tmp_path):
 def test_projection_of_a_run_by_hand(tmp_path):
     run = layer_run("naive", 2, 8, 1.9, a2a_ms=1.0, rows_per_peer=100, D=32)
     run["run_dir"] = "r"
-    prof = cm.profile_from_dict({"name": "t", "simulated": True, "world_size": 2, "intra_node_GBps": 1.0,
+    prof = cm.profile_from_dict({"name": "t", "world_size": 2, "intra_node_GBps": 1.0,
                                  "intra_node_latency_us": 10.0, "device_TFLOPs": 1.0, "dtype": "bfloat16"})
     proj = cm.project_run(run, prof)
     # each phase: every rank sends 100 rows x 32 x 4 bytes to the one other rank
@@ -320,11 +322,11 @@ def test_report_writes_tables_and_figures(synthetic_sweep, tmp_path, monkeypatch
     assert set(proj.source) == {"projected"}
 
 
-def test_report_reads_builders_from_the_sweep_config(tmp_path):
+def test_report_reads_builders_of_the_runs_experiments():
     from analysis.report import builders_of
-    (tmp_path / "multirun.yaml").write_text("experiment_name: x\nreport: table1_ct_runtime,fig3_lcc\n")
-    assert builders_of([tmp_path]) == "table1_ct_runtime,fig3_lcc"
-    assert builders_of([tmp_path / "elsewhere"]) == ""
+    df = pd.DataFrame({"experiment": ["table1_ct_runtime", "fig3_lcc", "adhoc"]})
+    assert builders_of(df) == "fig3_lcc,table1_ct_runtime"      # sorted by experiment; adhoc has none
+    assert builders_of(pd.DataFrame({"experiment": ["adhoc"]})) == ""
 
 
 def test_unknown_builder_names_the_choices():
@@ -349,20 +351,30 @@ def _cfg(*overrides):
 
 
 @pytest.mark.parametrize("name", cm.available_profiles())
-def test_sim_clusters_are_refused(name):
-    cfg = _cfg(f"cluster={name}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(ConfigError, match=rf"cluster={name} is a projection profile.*"
-                                              rf"python -m analysis.project RUN_DIRS --cluster {name}"):
-            validate(cfg)
+def test_projection_profiles_are_not_clusters(name):
+    """Profiles live in their own group (conf/profile): as a cluster they do not compose,
+    and the one-line message points at the projection command."""
+    from hydra.errors import MissingConfigException
+
+    from occult.cli import describe
+    with pytest.raises(MissingConfigException) as err:
+        _cfg(f"cluster={name}")
+    assert describe(err.value).startswith(f"cluster={name}: no such option; available: cpu1, cpu2")
+    assert f"python -m analysis.project RUN_DIRS --profile {name}" in describe(err.value)
+
+
+def test_profile_schema_names_a_bad_field():
+    with pytest.raises(ValueError, match=r"profile=t: .*intra_node_gbps"):
+        cm.profile_from_dict({"name": "t", "intra_node_gbps": 10.0})
 
 
 def test_experiments_compose():
     for name in ("fig1_latency", "fig3_lcc", "table1_ct_runtime", "fig8_pattern", "fig12_scaling",
-                 "default_study"):
+                 "default_study", "fig7_pruning", "pruning_no_finetune", "placement_study", "bench",
+                 "calibrate", "exflow_affinity"):
         cfg = _cfg(f"experiment={name}")
-        assert cfg.experiment_name == name and resolve_builders(cfg.report)
+        assert cfg.experiment_name == {"pruning_no_finetune": "fig7_pruning"}.get(name, name)
+        assert resolve_builders(cfg.report)
 
 
 def test_grids_sweeper_expands_a_union():
@@ -384,16 +396,16 @@ def test_grids_sweeper_expands_a_union():
 
 
 def finetune_run(run_dir: Path, system: str, budget, steps: int, pydoc_loss: float, ct: float):
-    """A task=finetune run folder as run.py writes it (results + the composed config)."""
+    """A task=finetune run folder as run.py writes it (the budget in system_options)."""
     rows = [row("train_loss", 6.0, "nats/token", sample=s) for s in range(steps)]
     for corpus, loss in (("pydoc", pydoc_loss), ("shakespeare", 5.0)):
         rows += [row("eval_loss", loss, "nats/token", phase=corpus),
                  row("eval_perplexity", float(np.exp(loss)), "ppl", phase=corpus),
                  row("eval_accuracy", 1.0 / loss, "ratio", phase=corpus)]
         rows += [row("ct_all", ct, "devices/token", layer=layer, phase=corpus) for layer in (0, 1)]
-    write_results(make_frame(rows, _context(system, "olmoe_proxy", "finetune", 4, 16, 4, 32, 16)), run_dir)
-    (run_dir / ".hydra").mkdir()
-    (run_dir / ".hydra" / "config.yaml").write_text(f"system:\n  name: {system}\n  budget: {budget or 'null'}\n")
+    options = {} if budget is None else {"budget": budget}
+    write_results(make_frame(rows, _context(system, "olmoe_proxy", "finetune", 4, 16, 4, 32, 16, options=options)),
+                  run_dir)
 
 
 def test_fig7_pruning_figure_from_finetune_runs(tmp_path):

@@ -13,6 +13,7 @@ from occult.ep import Placement, TopKRouter, reference_moe
 from occult.parity import LayerCase, make_problem
 
 from capacity_helpers import calls_and_grid
+from systems import system
 
 TUTEL = "baselines.tutel.TutelDispatcher"
 MEGA = "baselines.megablocks.MegaBlocksDispatcher"
@@ -38,11 +39,11 @@ CALLS = {
     "cf0": (TUTEL, {"capacity_factor": 0}, HAND),          # dropless: C = 5 (rank 0, expert 0)
     "mega_b4": (MEGA, {"block_size": 4}, HAND),
 }
-GRID = [(TUTEL, {"capacity_factor": 0}, LayerCase(8, 3, (7, 0), routing="router", renormalize=True, seed=1), None),
-        (TUTEL, {"capacity_factor": 0}, LayerCase(8, 4, (6, 6), routing="one_device", seed=2), None),
-        (TUTEL, {"capacity_factor": 3.0}, LayerCase(8, 2, (5, 9), seed=3), None),
-        (MEGA, {"block_size": 4}, LayerCase(8, 3, (7, 0), routing="router", renormalize=True, seed=1), None),
-        (MEGA, {"block_size": 3}, LayerCase(8, 2, (5, 9), seed=3), None)]
+GRID = [(system(TUTEL, capacity_factor=0), LayerCase(8, 3, (7, 0), routing="router", renormalize=True, seed=1), None),
+        (system(TUTEL, capacity_factor=0), LayerCase(8, 4, (6, 6), routing="one_device", seed=2), None),
+        (system(TUTEL, capacity_factor=3.0), LayerCase(8, 2, (5, 9), seed=3), None),
+        (system(MEGA, block_size=4), LayerCase(8, 3, (7, 0), routing="router", renormalize=True, seed=1), None),
+        (system(MEGA, block_size=3), LayerCase(8, 2, (5, 9), seed=3), None)]
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +120,8 @@ def test_dropless_tutel_is_exact(world):
             assert world["calls"][rank][name]["stats"]["dropped_pairs"] == 0
         check_against(world, name, {})
     for rank, per_rank in enumerate(world["grid"]):
-        for (cls, options, case, _), res in zip(GRID, per_rank):
-            assert all(v <= 1e-9 for v in res["errors"].values()), (cls, options, case, rank, res["errors"])
+        for (sys_, case, _), res in zip(GRID, per_rank):
+            assert all(v <= 1e-9 for v in res["errors"].values()), (sys_, case, rank, res["errors"])
 
 
 @pytest.mark.timeout(120)
@@ -138,13 +139,11 @@ def test_megablocks_block_padding(world):
 
 
 def test_bad_options_name_the_field():
-    from baselines.megablocks import MegaBlocksDispatcher
-    from baselines.tutel import TutelDispatcher
-    from occult.ep import EPGroup
-    placement = Placement.contiguous(4, 1)
-    bad = [(TutelDispatcher, {"capacity_factor": "1.0"}, "system.capacity_factor"),
-           (TutelDispatcher, {"capacity_factor": float("nan")}, "system.capacity_factor"),
-           (MegaBlocksDispatcher, {"block_size": -1}, "system.block_size")]
-    for cls, options, field in bad:
+    from occult.ep import system_config
+    bad = [(TUTEL, {"capacity_factor": "one"}, "system.capacity_factor"),      # typed: refused at merge
+           (TUTEL, {"capacity_factor": float("nan")}, "system.capacity_factor"),
+           (MEGA, {"block_size": -1}, "system.block_size"),
+           (MEGA, {"block_size": 1.5}, "system.block_size")]
+    for target, options, field in bad:
         with pytest.raises(ValueError, match=field):
-            cls(EPGroup(), placement, **options)
+            system_config(system(target, **options)).check(num_experts=4, top_k=2, world_size=1)

@@ -16,6 +16,7 @@ from occult.ep import EPGroup, Placement, TopKRouter
 from occult.parity import LayerCase, make_problem, run_model_grid
 
 from deepspeed_helpers import DEEPSPEED, dropping_call, grid_and_version
+from systems import system
 from test_models import PROXIES, tiny
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -56,7 +57,7 @@ def dropless_capacity(case: LayerCase) -> int:
 @pytest.mark.parametrize("P", [2, 4])
 def test_dropless_matches_reference_and_sends_e_times_c(P):
     cases = dropless_cases(P)
-    jobs = [(DEEPSPEED, {"capacity_factor": 0}, case, None) for case in cases]
+    jobs = [(system(DEEPSPEED, "deepspeed", capacity_factor=0), case, None) for case in cases]
     results = launch(grid_and_version, P, (jobs,), **WORLD)
     failures = []
     for rank, res in enumerate(results):
@@ -110,14 +111,17 @@ def test_models_match_single_device():
 
 
 def test_options_and_placement_are_checked():
-    from baselines.deepspeed import DeepSpeedDispatcher
+    from occult.ep import system_config
 
-    assert DeepSpeedDispatcher.is_exact(capacity_factor=0)
-    assert not DeepSpeedDispatcher.is_exact(capacity_factor=1.25)
+    def config(**options):
+        return system_config(system(DEEPSPEED, "deepspeed", **options))
+
+    assert config(capacity_factor=0).is_exact()
+    assert not config(capacity_factor=1.25).is_exact()
     ep = EPGroup(rank=0, world_size=2)
     with pytest.raises(ValueError, match="contiguous placement"):
-        DeepSpeedDispatcher(ep, Placement.from_groups([[1, 0], [2, 3]]))
+        config().build(ep, 0, 4, Placement.from_groups([[1, 0], [2, 3]]))
     with pytest.raises(ValueError, match="capacity_factor"):
-        DeepSpeedDispatcher(ep, Placement.contiguous(4, 2), capacity_factor=-1)
+        config(capacity_factor=-1).check(num_experts=4, top_k=2, world_size=2)
     with pytest.raises(ValueError, match="min_capacity"):
-        DeepSpeedDispatcher(ep, Placement.contiguous(4, 2), capacity_factor=1, min_capacity=0)
+        config(capacity_factor=1, min_capacity=0).check(num_experts=4, top_k=2, world_size=2)

@@ -9,12 +9,13 @@ import pandas as pd
 import pytest
 import torch
 
-from baselines.exflow import ExFlowDispatcher, new_home_device
+from baselines.exflow import new_home_device
 from baselines.exflow_placement import (conditional_probability, contiguous_placements, cross_device_fraction,
                                         place_by_affinity, save_exflow_placements, transition_counts)
 from occult.dist import launch
-from occult.ep import Placement
+from occult.ep import Placement, system_config
 from occult.parity import LayerCase, check_layer, run_grid
+from systems import system
 
 EXFLOW = "baselines.exflow.ExFlowDispatcher"
 TOL = 1e-9
@@ -34,7 +35,7 @@ CASES = [
 def _counter_rank(ctx):
     """``return_rows_avoided`` on a problem checked by hand: 6 experts on 3 ranks (0,1 | 2,3
     | 4,5); a token's new home is the device of its highest-weight expert."""
-    disp = ExFlowDispatcher(ctx.ep, Placement.contiguous(6, 3))
+    disp = system_config(system(EXFLOW, "exflow")).build(ctx.ep, 0, 6)
     ids, w = [(torch.tensor([[0, 5], [2, 1], [4, 2]]), torch.tensor([[0.2, 0.8], [0.6, 0.4], [0.5, 0.5]])),
               (torch.tensor([[1, 0], [3, 0]]), torch.tensor([[0.9, 0.1], [0.3, 0.7]])),
               (torch.tensor([[4, 0]]), torch.tensor([[0.6, 0.4]]))][ctx.rank]
@@ -43,7 +44,7 @@ def _counter_rank(ctx):
 
 
 def _world(ctx):
-    return run_grid(ctx, [(EXFLOW, {}, case, groups) for case, groups in CASES]), _counter_rank(ctx)
+    return run_grid(ctx, [(system(EXFLOW, "exflow"), case, groups) for case, groups in CASES]), _counter_rank(ctx)
 
 
 @pytest.mark.timeout(120)
@@ -178,14 +179,16 @@ def test_placement_artifact_feeds_the_dispatcher(tmp_path):
     path = save_exflow_placements(tmp_path / "pl.json", result, {"note": "test"})
     meta = json.loads(path.read_text())["meta"]
     assert meta["optimiser"] == "exflow_affinity_ip" and meta["solver"] == "highs"
+    placed = system_config(system(EXFLOW, "exflow", placement_file=str(path)))
     for layer in range(3):
-        got = ExFlowDispatcher.layer_placement(layer, E, P, placement_file=str(path))
+        got = placed.layer_placement(layer, E, P)
         assert torch.equal(got.device_E, result.placements[layer].device_E)
-    assert torch.equal(ExFlowDispatcher.layer_placement(0, E, P).device_E, Placement.contiguous(E, P).device_E)
+    plain = system_config(system(EXFLOW, "exflow"))
+    assert torch.equal(plain.layer_placement(0, E, P).device_E, Placement.contiguous(E, P).device_E)
     with pytest.raises(ValueError, match="no placement for MoE layer 7"):
-        ExFlowDispatcher.layer_placement(7, E, P, placement_file=str(path))
+        placed.layer_placement(7, E, P)
     with pytest.raises(ValueError, match="cluster.world_size=4"):
-        ExFlowDispatcher.layer_placement(0, E, 4, placement_file=str(path))
+        placed.layer_placement(0, E, 4)
 
 
 def test_single_process_parity_with_an_artifact_placement(tmp_path):
@@ -196,7 +199,8 @@ def test_single_process_parity_with_an_artifact_placement(tmp_path):
     E = 8
     result = place_by_affinity(transition_counts(planted_routing(100, E, 2, seed=3), E), E, 1, time_limit_s=1.0)
     ctx = RankContext(rank=0, world_size=1, ep=EPGroup(), seed=0)
-    res = check_layer(ctx, ExFlowDispatcher, LayerCase(E, 3, (9,), routing="router", seed=9), result.placements[0])
+    res = check_layer(ctx, system(EXFLOW, "exflow"), LayerCase(E, 3, (9,), routing="router", seed=9),
+                      result.placements[0])
     assert max(res["errors"].values()) <= TOL
 
 

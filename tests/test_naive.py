@@ -3,6 +3,7 @@ import pytest
 
 from occult.dist import launch
 from occult.parity import LayerCase, run_grid
+from systems import system
 
 NAIVE = "baselines.naive.NaiveDispatcher"
 # E=4 on P=2: experts 0,1 on rank 0 and 2,3 on rank 1. Rank 0 has tokens
@@ -12,7 +13,7 @@ HAND = LayerCase(4, 2, (2, 2), routing="explicit", explicit_ids=(0, 1, 0, 2, 3, 
 
 @pytest.mark.timeout(120)
 def test_rows_bytes_and_ct_by_hand():
-    jobs = [(NAIVE, {}, HAND, None), ("helpers.WeightlessDispatcher", {}, HAND, None)]
+    jobs = [(system(NAIVE), HAND, None), (system("helpers.WeightlessDispatcher"), HAND, None)]
     r0, r1 = launch(run_grid, 2, (jobs,), timeout_s=60)
     rows = {rank: {(ev.phase, ev.direction): ev.rows_P for ev in res[0]["comm"]}
             for rank, res in ((0, r0), (1, r1))}

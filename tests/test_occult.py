@@ -6,6 +6,7 @@ from occult.collab.brim import build_brim0, build_brim1, local_expert_weights
 from occult.dist import launch
 from occult.ep import Placement
 from occult.parity import LayerCase, run_grid
+from systems import system
 
 OCCULT = "occult.collab.dispatcher.OccultDispatcher"
 NAIVE = "baselines.naive.NaiveDispatcher"
@@ -50,7 +51,7 @@ CASES = [LayerCase(64, 8, (40, 24, 0, 31)), LayerCase(8, 2, (9, 9, 9, 9), routin
 
 @pytest.mark.timeout(180)
 def test_rows_per_token_equal_ct_all_in_every_phase_and_pass():
-    jobs = [(cls, {}, case, None) for case in CASES for cls in (OCCULT, NAIVE)]
+    jobs = [(system(cls), case, None) for case in CASES for cls in (OCCULT, NAIVE)]
     per_rank = launch(run_grid, 4, (jobs,), timeout_s=120)
     for i, case in enumerate(CASES):
         occ = [r[2 * i] for r in per_rank]

@@ -14,10 +14,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from occult.collab import variants
-from occult.collab.variants import OccultPlacedDispatcher, OccultSimilarityPruningDispatcher
 from occult.config import register
 from occult.dist import launch
-from occult.ep import Placement, ct_all, devices_per_token
+from occult.ep import Placement, ct_all, devices_per_token, system_config
 from occult.parity import run_model_grid
 from occult.placement import save_placements
 from occult.validate import ConfigError, validate
@@ -86,19 +85,23 @@ def test_occult_placed_reads_its_artifact_once(tmp_path, monkeypatch):
     reads = []
     real = variants.load_placements
     monkeypatch.setattr(variants, "load_placements", lambda p: reads.append(p) or real(p))
+    def placed(path):
+        return system_config({"name": "occult_placed", "_target_": PLACED["occult_placed"],
+                              "placement_file": str(path), "kernels": "torch"})
+
     for layer in layers:
-        got = OccultPlacedDispatcher.layer_placement(layer, E, P, placement_file=str(path), kernels="torch")
+        got = placed(path).layer_placement(layer, E, P)
         assert got.groups() == placements[layer].groups()
         assert torch.equal(got.device_E, placements[layer].device_E)
     assert len(reads) == 1, "the artifact must be read once per process"
     with pytest.raises(ValueError, match="no placement for MoE layer 2; it has layers \\[0, 1, 3\\]"):
-        OccultPlacedDispatcher.layer_placement(2, E, P, placement_file=str(path))
+        placed(path).layer_placement(2, E, P)
     with pytest.raises(ValueError, match="places 64 experts on 4 devices; this run has model.num_experts=64 "
                                          "on world size 2"):
-        OccultPlacedDispatcher.layer_placement(0, E, 2, placement_file=str(path))
+        placed(path).layer_placement(0, E, 2)
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="system.placement_file=.*bad.json.* is not a placement artifact"):
-        OccultPlacedDispatcher.layer_placement(0, E, P, placement_file=str(tmp_path / "bad.json"))
+        placed(tmp_path / "bad.json").layer_placement(0, E, P)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -181,8 +184,9 @@ def test_pruning_options_are_checked_and_similarity_cached(tmp_path):
     assert variants.layer_similarity(str(path), 0, 8) is sim
     from occult.pruning import expert_similarity
     assert torch.allclose(sim, expert_similarity(logits))
-    assert not OccultSimilarityPruningDispatcher.is_exact(budget=2)
-    assert OccultPlacedDispatcher.is_exact(placement_file="x")
+    assert not system_config({"name": "occult_prune_sim", "_target_": PRUNING["similarity"], "budget": 2}).is_exact()
+    assert system_config({"name": "occult_placed", "_target_": PLACED["occult_placed"],
+                          "placement_file": "x"}).is_exact()
 
 
 # ---------------------------------------------------------------------------

@@ -39,12 +39,29 @@ def cases_for(P: int) -> list:
     return cases
 
 
-def run_all(P: int) -> list:
+def parity_jobs(P: int, systems: dict) -> tuple[list, list]:
+    """The grid's jobs and their (name, case) labels for ``systems`` (name -> system dict)."""
     jobs, labels = [], []
-    for name, (cls_path, options) in exact_systems().items():
+    for name, system in systems.items():
         for case in cases_for(P):
-            jobs.append((cls_path, options, case, None))
+            jobs.append((system, case, None))
             labels.append((name, case))
+    return jobs, labels
+
+
+def failures_of(labels: list, results: list, P: int) -> list:
+    failures = []
+    for i, (name, case) in enumerate(labels):
+        for rank, per_rank in enumerate(results):
+            errs = per_rank[i]["errors"]
+            bad = {k: v for k, v in errs.items() if not v <= TOL}
+            if bad:
+                failures.append(f"{name} P={P} rank={rank} {case}: {bad}")
+    return failures
+
+
+def run_all(P: int) -> list:
+    jobs, labels = parity_jobs(P, exact_systems())
     results = launch(run_grid, P, (jobs,), timeout_s=240, collective_timeout_s=60)
     return labels, results
 
@@ -53,12 +70,6 @@ def run_all(P: int) -> list:
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
 def test_every_system_matches_reference(P):
     labels, results = run_all(P)
-    failures = []
-    for i, (name, case) in enumerate(labels):
-        for rank, per_rank in enumerate(results):
-            errs = per_rank[i]["errors"]
-            bad = {k: v for k, v in errs.items() if not v <= TOL}
-            if bad:
-                failures.append(f"{name} P={P} rank={rank} {case}: {bad}")
+    failures = failures_of(labels, results, P)
     assert not failures, "\n".join(failures[:20])
     assert len(labels) >= len(exact_systems()) * 4

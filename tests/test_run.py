@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from analysis.load import load_runs
-from occult.records import make_frame, row, write_results
+from occult.records import CONTEXT_COLUMNS, make_frame, row, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.hidden_size=32", "model.expert_ffn_size=16", "task.tokens_per_rank=32", "task.warmup=0",
@@ -78,10 +78,7 @@ def test_uniform_ct_and_naive_rows_per_token():
 
 
 def test_results_written_atomically(tmp_path, monkeypatch):
-    df = make_frame([row("x", 1.0, "ms")], {c: 0 for c in
-                    ["run_id", "experiment", "system", "impl", "model", "task", "cluster", "world_size",
-                     "num_experts", "top_k", "hidden_size", "expert_ffn_size", "tokens_per_rank",
-                     "routing", "batch_size", "seq_len", "seed"]})
+    df = make_frame([row("x", 1.0, "ms")], {c: 0 for c in CONTEXT_COLUMNS})
 
     def boom(self, path, **kw):
         Path(path).write_bytes(b"partial")

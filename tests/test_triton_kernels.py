@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent("""
     OCC = "occult.collab.dispatcher.OccultDispatcher"
     cases = [LayerCase(8, 2, (6, 5), dtype="float32", hidden=32, ffn=16),
              LayerCase(8, 4, (0, 9), dtype="float32", hidden=32, ffn=16)]
-    jobs = [(OCC, {"kernels": "triton"}, c, None) for c in cases]
+    jobs = [({"name": "occult", "_target_": OCC, "kernels": "triton"}, c, None) for c in cases]
     for rank_out in launch(run_grid, 2, (jobs,), timeout_s=240):
         for res in rank_out:
             assert all(v < 1e-4 for v in res["errors"].values()), res["errors"]

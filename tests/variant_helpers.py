@@ -1,12 +1,13 @@
 """Rank functions and test systems for tests/test_occult_variants.py (importable by spawned ranks)."""
 import copy
-from typing import Optional
 
 import torch
 from omegaconf import OmegaConf
 
+from dataclasses import dataclass
+
 from baselines.naive import NaiveDispatcher
-from occult.collab.variants import PlacementFromArtifact
+from occult.collab.variants import PlacementFileConfig
 from occult.ep import Recorder
 from occult.ep.accounting import recording
 from occult.models.ep_block import EPMoEBlock
@@ -14,20 +15,18 @@ from occult.models.families import family_of
 from occult.models.runtime import base_model, make_rank_model
 
 
-class PlacedNaiveDispatcher(PlacementFromArtifact, NaiveDispatcher):
+class PlacedNaiveDispatcher(NaiveDispatcher):
     """Naive EP with its placement from an artifact: placements must not depend on the system."""
 
-    name = "naive_placed"
-    placement_required = True
-
-    def __init__(self, ep, placement, placement_file: Optional[str] = None):
-        super().__init__(ep, placement)
+    @dataclass
+    class Config(PlacementFileConfig, NaiveDispatcher.Config):
+        placement_required = True
 
 
 def _rank_model(ctx, cfg_dict: dict, vocab_size: int = 128):
     cfg = OmegaConf.create(cfg_dict)
     ref = base_model(cfg, vocab_size)
-    return cfg, make_rank_model(ctx, copy.deepcopy(ref), cfg, OmegaConf.to_container(cfg.system))
+    return cfg, make_rank_model(ctx, copy.deepcopy(ref), cfg)
 
 
 def placements_of(model) -> dict:

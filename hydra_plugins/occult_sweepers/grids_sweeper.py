@@ -1,4 +1,4 @@
-"""A Hydra sweeper over a union of grids, for experiments whose points are not one
+r"""A Hydra sweeper over a union of grids, for experiments whose points are not one
 Cartesian product (a figure that needs layer runs and prefill runs with
 different axes, or a study that gathers several figures).
 
@@ -23,16 +23,26 @@ Each grid is the Cartesian product of the shared keys and its own keys (its
 own win). A command-line argument replaces its key in the grids that name
 the key, and joins every grid when no grid names it (so a reduced run such
 as ``python run.py experiment=X model.top_k=2`` shrinks only the grids that
-sweep top-k). Points that two grids share run once. Everything else
-(batching, launching, resume through ``run.py``) is Hydra's basic sweeper.
+sweep top-k). Points that two grids share run once. A param set to null is
+dropped (an experiment that extends another removes grids that way). A value
+may refer to the point's own config, escaped: ``label: score_\${system.budget}``.
+
+It is the default sweeper of every multirun (``conf/config.yaml``): without grid
+names it sweeps like Hydra's basic sweeper. It announces the number of points to
+the runner (for the progress lines: points done of all, time left). Everything
+else (batching, launching, resume through ``run.py``) is Hydra's basic sweeper.
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import List
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
+
+# read by occult.runner for its progress lines (the same name there)
+SWEEP_POINTS_ENV = "OCCULT_SWEEP_POINTS"
 
 
 class GridsSweeper(BasicSweeper):
@@ -73,6 +83,7 @@ class GridsSweeper(BasicSweeper):
                     if key not in seen:
                         seen.add(key)
                         points.append(point)
+        os.environ[SWEEP_POINTS_ENV] = str(len(points))
         if max_batch_size is None or max_batch_size <= 0:
             return [points]
         return [points[i:i + max_batch_size] for i in range(0, len(points), max_batch_size)]

@@ -24,12 +24,12 @@ from typing import Optional
 
 import torch
 
-from ..ep import Dispatcher, Exchange, Recorder, all_to_all_rows, exchange_counts
+from ..ep import Exchange, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
 from ..ep.accounting import span
-from ..ep.experts import GatheredRows
 from ..ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
 from ..kernels import triton_available, use_triton
 from .brim import Brim0, Brim1, build_brim0, build_brim1, local_expert_weights
+from .experts import GatheredRows, occult_experts
 
 
 @dataclass(frozen=True)
@@ -48,28 +48,35 @@ class OccultHandle:
 KERNELS = ("auto", "torch", "triton")
 
 
-class OccultDispatcher(Dispatcher):
+class OccultDispatcher(SplitDispatcher):
     """``kernels``: ``torch`` (vectorised PyTorch, the reference path), ``triton`` (the
     gather-fused expert matmul and the atomic weighted merge; CUDA, or the Triton
     interpreter), or ``auto`` (triton on CUDA tensors when triton imports, else torch)."""
 
-    name = "occult"
     impl = "harness"
 
-    def __init__(self, ep, placement, kernels: str = "auto"):
-        super().__init__(ep, placement)
-        if kernels not in KERNELS:
-            raise ValueError(f"system.kernels={kernels!r}: allowed values are {list(KERNELS)}")
-        if kernels == "triton" and not triton_available():
-            raise ValueError("system.kernels=triton: the triton package is not installed "
-                             "(pip install -e '.[gpu]')")
-        self.kernels = kernels
+    @dataclass
+    class Config(SystemConfig):
+        kernels: str = "auto"    # auto (Triton on CUDA when installed) | torch | triton
+
+        def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+            super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+            if self.kernels not in KERNELS:
+                raise ValueError(f"system.kernels={self.kernels!r}: allowed values are {list(KERNELS)}")
+            if self.kernels == "triton" and not triton_available():
+                raise ValueError("system.kernels=triton: the triton package is not installed "
+                                 "(pip install -e '.[gpu]')")
 
     def _fused(self, x_TD) -> bool:
-        if self.kernels == "triton" and not use_triton(x_TD):
+        kernels = self.config.kernels
+        if kernels == "triton" and not use_triton(x_TD):
             raise ValueError("system.kernels=triton runs on CUDA tensors only (or under the Triton "
                              "interpreter, TRITON_INTERPRET=1); use kernels=auto or torch on a CPU")
-        return self.kernels != "torch" and use_triton(x_TD)
+        return kernels != "torch" and use_triton(x_TD)
+
+    def run_experts(self, experts, routed_QD, counts_e):
+        """Occult's own experts step (:func:`occult.collab.experts.occult_experts`)."""
+        return occult_experts(experts, routed_QD, counts_e)
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         rec = recorder

@@ -16,10 +16,12 @@ pruning with a device budget. Each is one dispatcher class (and one YAML file un
   ``system.similarity_file`` (an ``.npz`` with one ``layer_<i>`` array [N, E], the
   format of ``router_logits.npz`` written by a run with ``task.save_routing=true``).
   With ``similarity_file: null``, ``task=finetune`` profiles the pre-trained router
-  itself (:func:`ensure_similarity_file`); other tasks need a file. Not exact.
+  itself (:func:`occult.tasks.profiling.ensure_similarity_file`); other tasks need a file.
+  Not exact.
 
 Both pruning systems also take ``placement_file`` (pruning on top of a placement).
-Infeasible budgets (budget * E / P < K) fail at config time (:meth:`check_config`).
+Infeasible budgets (budget * E / P < K) and budgets above the world size fail at config
+time (each ``Config.check``).
 
 Artifacts and similarity matrices are read once per process (module-level caches
 keyed by the file's path, size and modification time) rather than once per layer.
@@ -29,13 +31,14 @@ Shapes: N profiling tokens, E experts, P devices, e = E / P local experts, K top
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 import torch
 
-from ..ep.placement import Placement
+from ..ep import Placement, SystemConfig
 from ..placement import load_placements
 from ..pruning import ScorePruning, SimilarityPruning, check_budget, expert_similarity
 from .dispatcher import OccultDispatcher
@@ -102,47 +105,40 @@ def artifact_layer_placement(path, layer: int, num_experts: int, world_size: int
     return placements[layer]
 
 
-class PlacementFromArtifact:
-    """Mixin for any dispatcher class (listed before it): ``layer_placement`` reads the
-    ``placement_file`` option when it is set (contiguous otherwise, unless the class sets
-    ``placement_required``)."""
+@dataclass
+class PlacementFileConfig(SystemConfig):
+    """Options mixin of any system that places its experts from a placement artifact
+    (``placement_file``: the JSON of :func:`occult.placement.save_placements`; null:
+    contiguous, unless the config sets ``placement_required``)."""
 
-    placement_required: bool = False
+    placement_file: Optional[str] = None
+    placement_required: ClassVar[bool] = False
 
-    @classmethod
-    def layer_placement(cls, layer: int, num_experts: int, world_size: int, **options) -> Placement:
-        path = options.get("placement_file")
-        if path is None and not cls.placement_required:
+    def layer_placement(self, layer: int, num_experts: int, world_size: int) -> Placement:
+        if self.placement_file is None and not self.placement_required:
             return Placement.contiguous(num_experts, world_size)
-        return artifact_layer_placement(path, layer, num_experts, world_size)
+        return artifact_layer_placement(self.placement_file, layer, num_experts, world_size)
 
-    @classmethod
-    def _check_placement_option(cls, num_experts: int, world_size: int, options: dict) -> None:
-        path = options.get("placement_file")
-        if path is None and not cls.placement_required:
+    def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+        super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+        if self.placement_file is None and not self.placement_required:
             return
-        if path is None:
-            raise ValueError(f"system.placement_file is not set: system '{cls.name}' places experts from "
+        if self.placement_file is None:
+            raise ValueError(f"system.placement_file is not set: system '{self.name}' places experts from "
                              "a placement artifact (write one with experiment=placement_study, or "
                              "occult.placement.save_placements)")
-        check_placement_artifact(path, num_experts, world_size)
+        check_placement_artifact(self.placement_file, num_experts, world_size)
 
 
-class OccultPlacedDispatcher(PlacementFromArtifact, OccultDispatcher):
+class OccultPlacedDispatcher(OccultDispatcher):
     """Occult, exact, with each layer's expert placement read from ``placement_file``."""
 
-    name = "occult_placed"
     exact = True
-    placement_required = True
 
-    def __init__(self, ep, placement, kernels: str = "auto", placement_file: Optional[str] = None):
-        super().__init__(ep, placement, kernels=kernels)
-        self.placement_file = placement_file
-
-    @classmethod
-    def check_config(cls, *, num_experts: int, top_k: int, world_size: int, **options) -> None:
-        super().check_config(num_experts=num_experts, top_k=top_k, world_size=world_size)
-        cls._check_placement_option(num_experts, world_size, options)
+    @dataclass
+    class Config(PlacementFileConfig, OccultDispatcher.Config):
+        # required: path of the placement artifact (JSON)
+        placement_required: ClassVar[bool] = True
 
 
 # ---------------------------------------------------------------------------
@@ -190,36 +186,26 @@ def layer_similarity(path, layer: int, num_experts: int) -> torch.Tensor:
     return _SIMILARITY_CACHE[key]
 
 
-class _PruningDispatcher(PlacementFromArtifact, OccultDispatcher):
+class _PruningDispatcher(OccultDispatcher):
     """Occult with a collaboration-pruning routing transform (not exact)."""
 
     exact = False
 
-    def __init__(self, ep, placement, kernels: str = "auto", budget: int = 2, weight_rule: str = "own",
-                 placement_file: Optional[str] = None):
-        super().__init__(ep, placement, kernels=kernels)
-        check_budget(budget, None, None)
-        self.budget = budget
-        self.weight_rule = weight_rule
-        self.placement_file = placement_file
-        self._transforms: dict = {}          # layer -> transform (built once)
+    @dataclass
+    class Config(PlacementFileConfig, OccultDispatcher.Config):
+        budget: int = 2              # N_d', devices per token (the paper tries 1, 2, 4)
+        weight_rule: str = "own"     # gate weight of a substitute: own | replaced | renormalize (open)
 
-    @classmethod
-    def is_exact(cls, **options) -> bool:
-        return False
+        def is_exact(self) -> bool:
+            return False
 
-    @classmethod
-    def check_config(cls, *, num_experts: int, top_k: int, world_size: int, **options) -> None:
-        super().check_config(num_experts=num_experts, top_k=top_k, world_size=world_size)
-        budget = options.get("budget", 2)
-        check_budget(budget, top_k, num_experts // world_size)
-        cls._check_placement_option(num_experts, world_size, options)
-        cls._check_pruning_options(num_experts, options)
+        def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+            super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+            check_budget(self.budget, top_k, num_experts // world_size, world_size)
 
-    @classmethod
-    @abstractmethod
-    def _check_pruning_options(cls, num_experts: int, options: dict) -> None:
-        """Raises ``ValueError`` naming the field for a bad rule, score or file."""
+    def __init__(self, ep, placement, config):
+        super().__init__(ep, placement, config)
+        self._transforms: dict = {}          # layer -> transform (built once per layer)
 
     def routing_transform(self, layer: int):
         if layer not in self._transforms:
@@ -237,21 +223,17 @@ class OccultScorePruningDispatcher(_PruningDispatcher):
     there), then its top-k among their experts. ``weight_rule``: ``own`` | ``replaced`` |
     ``renormalize`` (see :mod:`occult.pruning.transforms`)."""
 
-    name = "occult_prune_score"
+    @dataclass
+    class Config(_PruningDispatcher.Config):
+        device_score: str = "sum"    # sum | max of the token's router probabilities on a device (open)
 
-    def __init__(self, ep, placement, kernels: str = "auto", budget: int = 2, weight_rule: str = "own",
-                 device_score: str = "sum", placement_file: Optional[str] = None):
-        super().__init__(ep, placement, kernels=kernels, budget=budget, weight_rule=weight_rule,
-                         placement_file=placement_file)
-        self.device_score = device_score
-        ScorePruning(budget, device_score, weight_rule)          # option checks, at construction
-
-    @classmethod
-    def _check_pruning_options(cls, num_experts: int, options: dict) -> None:
-        ScorePruning(options.get("budget", 2), options.get("device_score", "sum"), options.get("weight_rule", "own"))
+        def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+            super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+            ScorePruning(self.budget, self.device_score, self.weight_rule)      # option checks
 
     def _make_transform(self, layer: int):
-        return ScorePruning(self.budget, self.device_score, self.weight_rule)
+        c = self.config
+        return ScorePruning(c.budget, c.device_score, c.weight_rule)
 
 
 class OccultSimilarityPruningDispatcher(_PruningDispatcher):
@@ -260,104 +242,38 @@ class OccultSimilarityPruningDispatcher(_PruningDispatcher):
     ``similarity_file`` (router logits [N, E] per layer). ``profile_tokens``: how many
     tokens ``task=finetune`` profiles when ``similarity_file`` is null."""
 
-    name = "occult_prune_sim"
+    @dataclass
+    class Config(_PruningDispatcher.Config):
+        weight_rule: str = "replaced"
+        # .npz of per-layer router logits (layer_<i>: [N, E]), e.g. router_logits.npz of a run
+        # with task.save_routing=true. null: task=finetune profiles the pre-trained router on
+        # profile_tokens tokens of its training data (other tasks need a file).
+        similarity_file: Optional[str] = None
+        profile_tokens: int = 8192
 
-    def __init__(self, ep, placement, kernels: str = "auto", budget: int = 2, weight_rule: str = "replaced",
-                 similarity_file: Optional[str] = None, profile_tokens: int = 8192,
-                 placement_file: Optional[str] = None):
-        super().__init__(ep, placement, kernels=kernels, budget=budget, weight_rule=weight_rule,
-                         placement_file=placement_file)
-        self.similarity_file = similarity_file
-        self.profile_tokens = profile_tokens
+        def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+            super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+            SimilarityPruning(self.budget, torch.zeros(num_experts, num_experts), self.weight_rule)
+            if self.profile_tokens < 1:
+                raise ValueError(f"system.profile_tokens={self.profile_tokens!r}: allowed values are "
+                                 "integers >= 1")
+            if self.similarity_file is not None:
+                for layer, logits in read_router_logits(self.similarity_file).items():
+                    if logits.shape[1] != num_experts:
+                        raise ValueError(f"system.similarity_file={str(self.similarity_file)!r}: layer_{layer} "
+                                         f"has {logits.shape[1]} experts, model.num_experts={num_experts}")
 
-    @classmethod
-    def _check_pruning_options(cls, num_experts: int, options: dict) -> None:
-        SimilarityPruning(options.get("budget", 2), torch.zeros(num_experts, num_experts),
-                          options.get("weight_rule", "replaced"))
-        tokens = options.get("profile_tokens", 8192)
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-            raise ValueError(f"system.profile_tokens={tokens!r}: allowed values are integers >= 1")
-        path = options.get("similarity_file")
-        if path is not None:
-            for layer, logits in read_router_logits(path).items():
-                if logits.shape[1] != num_experts:
-                    raise ValueError(f"system.similarity_file={str(path)!r}: layer_{layer} has "
-                                     f"{logits.shape[1]} experts, model.num_experts={num_experts}")
+        @property
+        def needs_router_profile(self) -> bool:
+            """True when the similarity must be profiled first (no ``similarity_file``)."""
+            return self.similarity_file is None
 
     def _make_transform(self, layer: int):
-        if self.similarity_file is None:
+        c = self.config
+        if c.similarity_file is None:
             raise ValueError(
                 "system.similarity_file is null: give an .npz of profiling router logits (the "
                 "router_logits.npz of a run with task.save_routing=true); task=finetune profiles "
                 "the pre-trained router itself when it is null")
-        sim_EE = layer_similarity(self.similarity_file, layer, self.placement.num_experts)
-        return SimilarityPruning(self.budget, sim_EE, self.weight_rule)
-
-
-# ---------------------------------------------------------------------------
-# profiling the router for similarity pruning
-# ---------------------------------------------------------------------------
-
-
-def needs_profile(system: dict) -> bool:
-    """Whether ``system`` is similarity pruning without a similarity file."""
-    from ..validate import system_class
-    return (issubclass(system_class(system), OccultSimilarityPruningDispatcher)
-            and system.get("similarity_file") is None)
-
-
-@torch.no_grad()
-def profile_router_logits(model, family, ids_N: torch.Tensor, num_tokens: int, seq_len: int, seed: int,
-                          batch_size: int = 8) -> dict:
-    """Router logits of the single-device ``model`` on ``num_tokens`` tokens of random
-    windows (seeded) of ``ids_N``: ``{layer: logits [N, E] (float32 numpy)}``."""
-    from ..data.batches import batch_iterator
-    from ..models.build import moe_blocks
-    from ..tasks.pretrain import RouterTap
-
-    layers = [i for i, _, _ in moe_blocks(model, family)]
-    windows = max(1, -(-num_tokens // seq_len))
-    tap = RouterTap(model, family)
-    try:
-        model.eval()
-        for x_BS, _ in batch_iterator(ids_N, min(batch_size, windows), seq_len, seed,
-                                      num_batches=-(-windows // min(batch_size, windows))):
-            model(input_ids=x_BS)
-    finally:
-        tap.remove()
-    per_layer: dict = {layer: [] for layer in layers}
-    for j, (logits_TE, _) in enumerate(tap.calls):
-        per_layer[layers[j % len(layers)]].append(logits_TE.float())
-    return {layer: torch.cat(parts)[:num_tokens].numpy() for layer, parts in per_layer.items()}
-
-
-def ensure_similarity_file(cfg_dict: dict) -> dict:
-    """In the launching process (after the checkpoint is known): for similarity pruning
-    with ``similarity_file: null``, profiles the pre-trained router on the task's
-    training data (``task.corpus``, ``task.split``; ``system.profile_tokens`` tokens of
-    seeded random windows), writes ``profile_router_logits.npz`` into the run folder and
-    sets ``system.similarity_file`` to it. Other systems pass through unchanged."""
-    system = cfg_dict["system"]
-    if not needs_profile(system):
-        return cfg_dict
-    from omegaconf import OmegaConf
-
-    from ..data.batches import token_ids
-    from ..data.tokenizer import get_tokenizer
-    from ..models.families import family_of
-    from ..models.runtime import base_model
-
-    cfg = OmegaConf.create(cfg_dict)
-    t = cfg.task
-    tok = get_tokenizer(t.tokenizer_vocab, corpus=cfg.pretrain.corpus)
-    model = base_model(cfg, cfg.model.vocab_size or tok.vocab_size, cfg.get("checkpoint"))
-    tokens = int(system.get("profile_tokens", 8192))
-    print(f"profiling router logits for similarity pruning: {tokens} tokens of {t.corpus}/{t.split}",
-          flush=True)
-    logits = profile_router_logits(model, family_of(cfg.model.family), token_ids(t.corpus, t.split, tok),
-                                   tokens, t.seq_len, seed=cfg.seed + 7)
-    out = Path(cfg_dict.get("out_dir_resolved") or ".") / "profile_router_logits.npz"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(out, **{f"layer_{layer}": a for layer, a in sorted(logits.items())})
-    cfg_dict["system"] = {**system, "similarity_file": str(out)}
-    return cfg_dict
+        sim_EE = layer_similarity(c.similarity_file, layer, self.placement.num_experts)
+        return SimilarityPruning(c.budget, sim_EE, c.weight_rule)

@@ -10,13 +10,13 @@ Shapes: T tokens, K top-k, E experts, P devices.
 """
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
 
+from .measure import clock
 from .placement import Placement
 
 
@@ -58,12 +58,12 @@ class Recorder:
 
     @contextmanager
     def span(self, layer: int, name: str, direction: str = "forward"):
-        """Times the enclosed block (wall clock, this rank)."""
-        t0 = time.perf_counter()
+        """Times the enclosed block on this rank (:func:`occult.ep.measure.clock`)."""
+        t0 = clock()
         try:
             yield
         finally:
-            self.spans.append((layer, name, direction, time.perf_counter() - t0))
+            self.spans.append((layer, name, direction, clock() - t0))
 
     def log_counter(self, layer: int, name: str, value: float) -> None:
         self.counters.append((layer, name, float(value)))

@@ -7,7 +7,6 @@ into the collective, and the time it took, on the call's :class:`Recorder`.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .accounting import Recorder
+from .measure import barrier, clock
 
 
 @dataclass(frozen=True)
@@ -39,12 +39,8 @@ def _exchange(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where
               direction: str) -> torch.Tensor:
     """One all-to-all of rows; ``send_P[j]`` rows go to rank j, ``recv_P[j]`` come from rank j."""
     rec = where.recorder
-    wait = 0.0
-    if rec is not None and rec.sync_collectives and ep.world_size > 1:
-        t_wait = time.perf_counter()
-        dist.barrier(group=ep.group)
-        wait = time.perf_counter() - t_wait
-    t0 = time.perf_counter()
+    wait = barrier(ep) if rec is not None and rec.sync_collectives else 0.0
+    t0 = clock()
     x_RD = x_RD.contiguous()
     out = x_RD.new_empty((sum(recv_P),) + tuple(x_RD.shape[1:]))
     if ep.world_size == 1:
@@ -54,7 +50,7 @@ def _exchange(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where
     if rec is not None:
         row_bytes = int(torch.Size(x_RD.shape[1:]).numel() * x_RD.element_size())
         rec.log_collective(layer=where.layer, phase=where.phase, direction=direction, rows_P=send_P,
-                           row_bytes=row_bytes, seconds=time.perf_counter() - t0, wait_seconds=wait)
+                           row_bytes=row_bytes, seconds=clock() - t0, wait_seconds=wait)
     return out
 
 

@@ -1,79 +1,66 @@
-"""The dispatcher interface every expert-parallel system implements.
+"""The one protocol the MoE layer calls, and the split dispatcher most systems are.
 
-A dispatcher moves tokens to the ranks that host their experts and brings
-the experts' outputs back. The contract (shapes: T tokens on this rank, K
-top-k, D hidden, R rows received, e local experts):
+The layer (:mod:`occult.ep.layer`) routes, applies the system's routing transform
+(if any), then calls ``system.forward_moe``: move the tokens to the ranks that host
+their experts, run this rank's experts, bring the outputs back, and return each
+token's gate-weighted sum. Shapes: T tokens on this rank, K top-k, D hidden, R rows
+received, e local experts.
 
-    routed_RD, counts_e, handle = dispatch(x_TD, topk_ids_TK, topk_weights_TK, ...)
-    y_RD = experts(routed_RD, counts_e)          # shared by all systems
-    out_TD = combine(y_RD, handle)
+* A **split dispatcher** (:class:`SplitDispatcher`, most systems) implements it as
 
-``routed_RD`` is grouped by local expert: the first ``counts_e[0]`` rows go to
-local expert 0, and so on. ``combine`` returns ``sum_k w_tk * expert_{id_tk}(x_t)``
-for every token of this rank: **gate weights are applied inside the dispatcher,
-exactly once** (naive EP weights at home, Occult on the receiving device before
-its pre-aggregation), and nowhere else. Everything ``combine`` needs travels in
-the handle, a frozen dataclass; a dispatcher keeps no per-call state on ``self``.
+      routed_RD, counts_e, handle = dispatch(x_TD, topk_ids_TK, topk_weights_TK, ...)
+      y_RD = run_experts(experts, routed_RD, counts_e)     # the shared grouped experts
+      out_TD = combine(y_RD, handle)
+
+  ``routed_RD`` is grouped by local expert (the first ``counts_e[0]`` rows go to local
+  expert 0, and so on). Everything ``combine`` needs travels in the handle, a frozen
+  dataclass; a dispatcher keeps no per-call state on ``self``.
+* A **library that owns the whole layer** (e.g. DeepSpeed's ``MOELayer``) subclasses
+  :class:`Dispatcher` and implements :meth:`Dispatcher.forward_moe` directly, logging its
+  collectives and counters on the recorder itself.
+
+Either way ``out_TD`` is ``sum_k w_tk * expert_{id_tk}(x_t)`` for every token of this
+rank: **gate weights are applied inside the system, exactly once**. A system's options
+are its typed config (:class:`occult.ep.system.SystemConfig`), held as ``self.config``.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
 
-from .accounting import Recorder
+from .accounting import Recorder, span
 from .comm import EPGroup
 from .placement import Placement
 from .router import RoutingTransform
 
 
 class Dispatcher(ABC):
-    """Base class of a system's token dispatcher.
+    """A system's expert-parallel MoE layer on one rank.
 
-    Class attributes a system sets:
-      ``name``: the system's config name; ``impl``: ``"harness"`` when this
-      project implements the scheme, ``"library"`` when a third-party library
-      runs it; ``requires_divisible_experts``: whether E must split evenly
-      over P ranks; ``exact``: whether it returns exactly top-k MoE (False
-      for schemes that drop tokens or change the routing); ``runs_whole_layer``:
-      True for a system (e.g. a library's MoE module) whose dispatch, experts and
-      combine do not split, which then implements :meth:`forward_moe` instead.
+    Class attributes a system sets: ``impl``: ``"harness"`` when this project implements
+    the scheme, ``"library"`` when a third-party library runs it; ``exact``: whether it
+    returns exactly top-k MoE with its default options (its config's ``is_exact`` says
+    for given options).
     """
 
-    name: str = "base"
-    impl: str = "harness"
-    requires_divisible_experts: bool = True
-    exact: bool = True
-    runs_whole_layer: bool = False
+    impl: ClassVar[str] = "harness"
+    exact: ClassVar[bool] = True
 
-    def __init__(self, ep: EPGroup, placement: Placement) -> None:
+    def __init__(self, ep: EPGroup, placement: Placement, config) -> None:
         if placement.num_devices != ep.world_size:
-            raise ValueError(f"{self.name}: placement is for {placement.num_devices} devices, "
+            raise ValueError(f"system={config.name}: placement is for {placement.num_devices} devices, "
                              f"the group has {ep.world_size}")
         self.ep = ep
         self.placement = placement
+        self.config = config
 
     def routing_transform(self, layer: int) -> Optional[RoutingTransform]:
         """A routing transform this system applies after layer ``layer``'s router (e.g.
-        collaboration pruning), or None. Called between routing and dispatch."""
+        collaboration pruning), or None. Called between routing and the MoE exchange."""
         return None
-
-    def stats(self, handle: Any) -> dict:
-        """Counters of one dispatch (e.g. dropped pairs, padding rows): name -> int."""
-        return {}
-
-    @classmethod
-    def layer_placement(cls, layer: int, num_experts: int, world_size: int, **options) -> Placement:
-        """The placement of MoE layer ``layer`` (contiguous unless a system says otherwise,
-        e.g. from a placement artifact named in its options)."""
-        return Placement.contiguous(num_experts, world_size)
-
-    @classmethod
-    def is_exact(cls, **options) -> bool:
-        """Whether the system with these options returns exactly top-k MoE."""
-        return cls.exact
 
     @property
     def local_expert_ids(self) -> torch.Tensor:
@@ -81,31 +68,44 @@ class Dispatcher(ABC):
         return self.placement.local_experts(self.ep.rank)
 
     @abstractmethod
+    def forward_moe(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                    experts: nn.Module, *, layer: int = 0, recorder: Optional[Recorder] = None
+                    ) -> torch.Tensor:
+        """The routed layer: moves the tokens, runs this rank's ``experts`` and returns
+        ``out_TD``, the gate-weighted sum of each token's expert outputs: [T, D] -> [T, D]."""
+
+
+class SplitDispatcher(Dispatcher):
+    """A system whose layer splits into dispatch -> experts -> combine (each timed as a span)."""
+
+    @abstractmethod
     def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                  *, layer: int = 0, recorder: Optional[Recorder] = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+                 ) -> tuple[Any, torch.Tensor, Any]:
         """Returns ``(routed_RD, counts_e, handle)``; rows grouped by local expert."""
 
     @abstractmethod
     def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:
         """Returns ``out_TD``, the gate-weighted sum of each token's expert outputs."""
 
-    def forward_moe(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                    experts: nn.Module, *, layer: int = 0, recorder: Optional[Recorder] = None
-                    ) -> torch.Tensor:
-        """The whole routed layer in one call (only when ``runs_whole_layer``): moves the
-        tokens, runs this rank's ``experts`` and returns ``out_TD``, the gate-weighted sum,
-        logging its collectives and counters on ``recorder`` itself."""
-        raise TypeError(f"system '{self.name}' splits into dispatch / experts / combine "
-                        "(runs_whole_layer is False); forward_moe is not available")
+    def stats(self, handle: Any) -> dict:
+        """Counters of one dispatch (e.g. dropped pairs, padding rows): name -> number."""
+        return {}
 
-    @classmethod
-    def check_config(cls, *, num_experts: int, top_k: int, world_size: int, **options) -> None:
-        """Raise ``ValueError`` naming the field if this system cannot run the shape (or, in
-        a subclass, with these system ``options``, e.g. an infeasible device budget)."""
-        if cls.requires_divisible_experts and num_experts % world_size:
-            divisors = [p for p in range(1, num_experts + 1) if num_experts % p == 0]
-            raise ValueError(
-                f"model.num_experts={num_experts} is not divisible by the world size {world_size} "
-                f"(cluster); system '{cls.name}' needs equal expert groups. "
-                f"Allowed world sizes: {divisors}")
+    def run_experts(self, experts: nn.Module, routed_RD: Any, counts_e: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on the routed rows: [R, D] -> [R, D] (the shared grouped
+        experts; a system may read its rows in its own way, e.g. a fused kernel)."""
+        return experts(routed_RD, counts_e)
+
+    def forward_moe(self, x_TD, topk_ids_TK, topk_weights_TK, experts, *, layer=0, recorder=None):
+        rec = recorder
+        with span(rec, layer, "dispatch"):
+            routed_RD, counts_e, handle = self.dispatch(x_TD, topk_ids_TK, topk_weights_TK, layer=layer,
+                                                        recorder=rec)
+        if rec is not None:
+            for name, value in self.stats(handle).items():
+                rec.log_counter(layer, name, value)
+        with span(rec, layer, "experts"):
+            y_RD = self.run_experts(experts, routed_RD, counts_e)
+        with span(rec, layer, "combine"):
+            return self.combine(y_RD, handle)

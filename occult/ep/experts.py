@@ -4,25 +4,9 @@ Shapes: e local experts, D hidden, F expert FFN size, R rows grouped by expert.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Union
-
 import torch
 import torch.nn.functional as nnf
 from torch import nn
-
-
-@dataclass(frozen=True)
-class GatheredRows:
-    """The rows ``source_RD[index_Q]``, not materialised. A dispatcher may hand these to
-    the experts so that a fused kernel reads the rows in place (on a GPU); elsewhere they
-    are gathered first."""
-
-    source_RD: torch.Tensor
-    index_Q: torch.Tensor
-
-    def materialize(self) -> torch.Tensor:
-        return self.source_RD.index_select(0, self.index_Q)
 
 
 def swiglu(x_RD: torch.Tensor, w_gate_DF: torch.Tensor, w_up_DF: torch.Tensor,
@@ -54,13 +38,8 @@ class GroupedExperts(nn.Module):
         self.w_up = nn.Parameter(w_up_eDF)
         self.w_down = nn.Parameter(w_down_eFD)
 
-    def forward(self, x_RD: Union[torch.Tensor, GatheredRows], counts_e: torch.Tensor) -> torch.Tensor:
-        if isinstance(x_RD, GatheredRows):
-            from ..kernels import use_triton
-            if use_triton(x_RD.source_RD):
-                from ..kernels.fused import gathered_swiglu
-                return gathered_swiglu(x_RD, counts_e, self.w_gate, self.w_up, self.w_down)
-            x_RD = x_RD.materialize()
+    def forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+        """Expert i on rows ``[sum(counts_e[:i]), sum(counts_e[:i+1]))``: [R, D] -> [R, D]."""
         return grouped_swiglu(x_RD, counts_e, self.w_gate, self.w_up, self.w_down)
 
 

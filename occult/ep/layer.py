@@ -1,6 +1,7 @@
 """The expert-parallel MoE layer and the single-device reference.
 
-    route -> optional routing transform -> dispatch -> grouped experts -> combine
+    route -> optional routing transform -> the system's forward_moe (for a split
+    dispatcher: dispatch -> grouped experts -> combine)
 
 Shapes: T tokens on this rank, D hidden, E experts, K top-k, e local experts.
 """
@@ -52,9 +53,8 @@ def routed_experts(x_TD: torch.Tensor, probs_TE: torch.Tensor, topk_ids_TK: torc
                    layer_idx: int, recorder: Optional[Recorder] = None,
                    transform: Optional[RoutingTransform] = None,
                    logits_TE: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The routed part of every EP MoE layer, after the router:
-    routing transform -> dispatch -> grouped experts -> combine: [T, D] -> [T, D].
-    A dispatcher that ``runs_whole_layer`` does the last three in ``forward_moe``."""
+    """The routed part of every EP MoE layer, after the router: the routing transform
+    (the layer's own, else the system's), then the system's ``forward_moe``: [T, D] -> [T, D]."""
     rec, li = recorder, layer_idx
     transform = transform or dispatcher.routing_transform(layer_idx)
     if transform is not None:
@@ -63,19 +63,7 @@ def routed_experts(x_TD: torch.Tensor, probs_TE: torch.Tensor, topk_ids_TK: torc
                                                      dispatcher.placement)
     if rec is not None:
         rec.log_routing(li, topk_ids_TK, topk_weights_TK, logits_TE)
-    if dispatcher.runs_whole_layer:
-        with span(rec, li, "moe"):
-            return dispatcher.forward_moe(x_TD, topk_ids_TK, topk_weights_TK, experts, layer=li, recorder=rec)
-    with span(rec, li, "dispatch"):
-        routed_RD, counts_e, handle = dispatcher.dispatch(x_TD, topk_ids_TK, topk_weights_TK, layer=li,
-                                                          recorder=rec)
-    if rec is not None:
-        for name, value in dispatcher.stats(handle).items():
-            rec.log_counter(li, name, value)
-    with span(rec, li, "experts"):
-        y_RD = experts(routed_RD, counts_e)
-    with span(rec, li, "combine"):
-        return dispatcher.combine(y_RD, handle)
+    return dispatcher.forward_moe(x_TD, topk_ids_TK, topk_weights_TK, experts, layer=li, recorder=rec)
 
 
 def reference_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,

@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as nnf
 
-from ..ep.experts import GatheredRows
-
 
 def _per_expert(counts_e: torch.Tensor, *tensors):
     """Splits each [Q, ...] tensor into the experts' segments."""
@@ -39,11 +37,11 @@ class _GatherGroupedMM(torch.autograd.Function):
         return grad_src, grad_w, None, None
 
 
-def gathered_swiglu(rows: GatheredRows, counts_e: torch.Tensor, w_gate_eDF: torch.Tensor,
-                    w_up_eDF: torch.Tensor, w_down_eFD: torch.Tensor) -> torch.Tensor:
-    """Grouped SwiGLU on rows read in place from ``rows.source_RD``: -> [Q, D]."""
-    h_gate = _GatherGroupedMM.apply(rows.source_RD, w_gate_eDF, rows.index_Q, counts_e)
-    h_up = _GatherGroupedMM.apply(rows.source_RD, w_up_eDF, rows.index_Q, counts_e)
+def gathered_swiglu(source_RD: torch.Tensor, index_Q: torch.Tensor, counts_e: torch.Tensor,
+                    w_gate_eDF: torch.Tensor, w_up_eDF: torch.Tensor, w_down_eFD: torch.Tensor) -> torch.Tensor:
+    """Grouped SwiGLU on the rows ``source_RD[index_Q]``, read in place: -> [Q, D]."""
+    h_gate = _GatherGroupedMM.apply(source_RD, w_gate_eDF, index_Q, counts_e)
+    h_up = _GatherGroupedMM.apply(source_RD, w_up_eDF, index_Q, counts_e)
     h_QF = nnf.silu(h_gate) * h_up
     identity_Q = torch.arange(h_QF.shape[0], device=h_QF.device)
     return _GatherGroupedMM.apply(h_QF, w_down_eFD, identity_Q, counts_e)

@@ -14,16 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..ep import GroupedExperts, Placement
-from ..validate import system_class, system_options
+from ..ep import system_config
 from .build import hf_config, init_model, load_checkpoint, to_expert_parallel
 from .ep_block import EPMoEBlock
 from .families import family_of
-
-
-def is_expert_parallel(system: dict) -> bool:
-    """Whether a system swaps MoE blocks for expert-parallel ones (the reference does not)."""
-    return getattr(system_class(system), "expert_parallel", True)
 
 
 def base_model(cfg, vocab_size: int, checkpoint: Optional[str] = None) -> nn.Module:
@@ -34,20 +28,20 @@ def base_model(cfg, vocab_size: int, checkpoint: Optional[str] = None) -> nn.Mod
     return init_model(fam, hf_config(cfg.model, vocab_size), cfg.seed)
 
 
-def make_rank_model(ctx, model: nn.Module, cfg, system: dict, placements: Optional[dict] = None) -> nn.Module:
-    """Turns the full model into this rank's model for ``system`` (in place)."""
-    if not is_expert_parallel(system):
+def make_rank_model(ctx, model: nn.Module, cfg, placements: Optional[dict] = None) -> nn.Module:
+    """Turns the full model into this rank's model for ``cfg.system`` (in place): each MoE
+    block becomes an expert-parallel block with the system built for its layer
+    (``placements``: {layer: Placement} overriding the system's); a system that builds no
+    dispatcher (the reference) leaves the model as it is."""
+    config = system_config(cfg.system)
+    if not config.expert_parallel:
         return model
-    fam = family_of(cfg.model.family)
-    cls = system_class(system)
-    options = system_options(system)
     E = cfg.model.num_experts
 
     def dispatcher(layer_idx: int):
-        placement = (placements or {}).get(layer_idx) or cls.layer_placement(layer_idx, E, ctx.world_size, **options)
-        return cls(ctx.ep, placement, **options)
+        return config.build(ctx.ep, layer_idx, E, (placements or {}).get(layer_idx))
 
-    return to_expert_parallel(model, fam, dispatcher)
+    return to_expert_parallel(model, family_of(cfg.model.family), dispatcher)
 
 
 def expert_parameters(model: nn.Module) -> set:

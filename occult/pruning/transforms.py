@@ -61,11 +61,18 @@ def min_budget(top_k: int, num_local: int) -> int:
     return math.ceil(top_k / num_local)
 
 
-def check_budget(budget: int, top_k: Optional[int] = None, num_local: Optional[int] = None) -> None:
+def check_budget(budget: int, top_k: Optional[int] = None, num_local: Optional[int] = None,
+                 world_size: Optional[int] = None) -> None:
     """Raises ``ValueError`` unless ``budget`` is an integer >= 1 whose devices can hold K
-    experts (budget * e >= K; checked when ``top_k`` and ``num_local`` are given)."""
+    experts (budget * e >= K; checked when ``top_k`` and ``num_local`` are given) and at
+    most the world size (checked when ``world_size`` is given)."""
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"system.budget={budget!r}: allowed values are integers >= 1 (devices per token)")
+    if world_size is not None and budget > world_size:
+        raise ValueError(
+            f"system.budget={budget} is above cluster.world_size={world_size}: a token can use at most "
+            f"{world_size} devices, so this budget would not prune anything; allowed values are "
+            f"1..{world_size} (budget={world_size} is the unpruned routing)")
     if top_k is not None and num_local is not None and budget * num_local < top_k:
         raise ValueError(
             f"system.budget={budget} is infeasible: {budget} device(s) x {num_local} experts per device "

@@ -1,4 +1,4 @@
-"""Pieces every task uses: building a system's dispatcher, the parity gate, recorder -> rows."""
+"""Pieces every task uses: the parity gate, recorder -> rows."""
 from __future__ import annotations
 
 from typing import Optional
@@ -6,40 +6,30 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..ep import Placement, Recorder, ct_all, ct_remote, intra_ratio
+from ..ep import Placement, Recorder, ct_all, ct_remote, intra_ratio, system_config
 from ..parity import LayerCase, check_layer
 from ..records import row
-from ..validate import system_class, system_options
 
 PARITY_TOL = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 2e-2}
 
 
-def build_dispatcher(ctx, system: dict, layer: int, num_experts: int):
-    """The configured system's dispatcher of MoE layer ``layer`` on this rank, with the
-    placement the system chooses for that layer."""
-    cls = system_class(system)
-    options = system_options(system)
-    placement = cls.layer_placement(layer, num_experts, ctx.world_size, **options)
-    return cls(ctx.ep, placement, **options)
-
-
-def parity_gate(ctx, system: dict, num_experts: int, top_k: int, routing: str,
+def parity_gate(ctx, system, num_experts: int, top_k: int, routing: str,
                 placement: Optional[Placement] = None) -> list:
-    """Checks the system against the single-device reference on a small float64
-    problem with the run's E, K, P and placement; raises if it disagrees.
+    """Checks ``system`` (a system config or its dict) against the single-device reference
+    on a small float64 problem with the run's E, K, P and placement; raises if it disagrees.
 
     Returns result rows with the relative errors.
     """
+    config = system_config(system)
     case = LayerCase(num_experts, top_k, tuple([32] * ctx.world_size),
                      routing="router" if routing == "router" else "uniform", seed=12345)
-    cls = system_class(system)
-    if not cls.is_exact(**system_options(system)):
+    if not config.is_exact():
         # a scheme that drops tokens or changes the routing is not top-k MoE by design
         return [row("parity_checked", 0.0, "bool", rank=ctx.rank)]
-    res = check_layer(ctx, cls, case, placement, system_options(system))
+    res = check_layer(ctx, config, case, placement)
     bad = {k: v for k, v in res["errors"].items() if not v <= PARITY_TOL["float64"]}
     if bad:
-        raise AssertionError(f"system={system['name']} disagrees with the single-device reference "
+        raise AssertionError(f"system={config.name} disagrees with the single-device reference "
                              f"(relative errors {bad}); nothing was timed")
     return [row("parity_checked", 1.0, "bool", rank=ctx.rank)] + \
         [row(f"parity_{k}", v, "ratio", rank=ctx.rank) for k, v in res["errors"].items()]

@@ -31,7 +31,6 @@ Shapes: B sequences per rank, S sequence length, V vocabulary, T tokens, K top-k
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
@@ -43,6 +42,7 @@ from tqdm import tqdm
 from ..data.batches import batch_iterator, eval_batches, num_eval_windows, token_ids
 from ..ep import Recorder, devices_per_token
 from ..ep.accounting import recording
+from ..ep.measure import clock, slowest
 from ..models.ep_block import EPMoEBlock
 from ..models.families import family_of
 from ..models.runtime import expert_parameters, sync_gradients
@@ -56,7 +56,7 @@ GRAD_CLIP = 1.0
 def prepare(cfg_dict: dict) -> dict:
     """In the launching process: the checkpoint (pre-training the proxy if needed) and,
     for similarity pruning without a similarity file, the router profile."""
-    from ..collab.variants import ensure_similarity_file
+    from .profiling import ensure_similarity_file
     return ensure_similarity_file(model_task.prepare(cfg_dict))
 
 
@@ -214,9 +214,9 @@ def run_rank(ctx, cfg_dict: dict) -> list:
                          "expert-parallel MoE blocks")
     train_ids = token_ids(t.corpus, t.split, tok)
     batches = batch_iterator(train_ids, t.batch_size, t.seq_len, seed=cfg.seed * 1000 + ctx.rank + 1)
-    t0 = time.perf_counter()
+    t0 = clock()
     losses = finetune(ctx, model, fam, batches, t.steps, t.lr, progress=ctx.rank == 0) if t.steps else []
-    took = model_task.slowest(ctx, time.perf_counter() - t0)
+    took = slowest(ctx.ep, clock() - t0)
     losses = _mean_over_ranks(ctx, losses)
     results = {}
     for corpus in eval_corpora(cfg):

@@ -12,16 +12,14 @@ Shapes: T tokens per rank, D hidden, F expert FFN, E experts, K top-k.
 """
 from __future__ import annotations
 
-import time
-
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from ..ep import MoELayer, Placement, Recorder, GroupedExperts, TopKRouter
+from ..ep import GroupedExperts, MoELayer, Recorder, TopKRouter, system_config
+from ..ep.measure import barrier, clock, iterations
 from ..records import row
 from ..synthetic import expert_popularity, sample_topk
-from .common import build_dispatcher, comm_rows, parity_gate, routing_rows, timing_rows
+from .common import comm_rows, parity_gate, routing_rows, timing_rows
 
 
 def expert_weights(expert_ids, hidden: int, ffn: int, seed: int, dtype) -> GroupedExperts:
@@ -36,10 +34,12 @@ def expert_weights(expert_ids, hidden: int, ffn: int, seed: int, dtype) -> Group
     return GroupedExperts(stack(gates, (hidden, ffn)), stack(ups, (hidden, ffn)), stack(downs, (ffn, hidden)))
 
 
-def build_layer(ctx, cfg) -> MoELayer:
+def build_layer(ctx, cfg, system=None) -> MoELayer:
+    """This rank's MoE layer of ``cfg.model`` (seeded weights, its own experts only) for
+    ``system`` (default ``cfg.system``)."""
     m = cfg.model
     dtype = getattr(torch, m.dtype)
-    dispatcher = build_dispatcher(ctx, OmegaConf.to_container(cfg.system), 0, m.num_experts)
+    dispatcher = system_config(cfg.system if system is None else system).build(ctx.ep, 0, m.num_experts)
     g = torch.Generator().manual_seed(cfg.seed)
     router = TopKRouter((torch.randn(m.num_experts, m.hidden_size, generator=g) / m.hidden_size ** 0.5)
                         .to(dtype), m.top_k, m.norm_topk_prob)
@@ -69,17 +69,16 @@ def run_rank(ctx, cfg_dict: dict) -> list:
     layer = build_layer(ctx, cfg)
     placement = layer.dispatcher.placement
     if t.check_parity:
-        rows += parity_gate(ctx, OmegaConf.to_container(cfg.system), m.num_experts, m.top_k, t.routing,
-                            placement)
+        rows += parity_gate(ctx, cfg.system, m.num_experts, m.top_k, t.routing, placement)
     if t.calibrate and ctx.world_size > 1:
         # this world's loopback under the load the timed iterations will see
-        from ..calibration import calibration_rows
+        from .calibrate import calibration_rows
         rows += calibration_rows(ctx)
     x_TD, ids_TK, grad_TD = make_inputs(ctx, cfg)
     rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives)
-    for it in range(t.warmup + t.iters):
-        sample_rows = time_iteration(ctx, layer, x_TD, ids_TK, grad_TD, rec, it - t.warmup, t.backward)
-        if it >= t.warmup:
+    for sample in iterations(ctx.ep, t.warmup, t.iters):
+        sample_rows = time_iteration(ctx, layer, x_TD, ids_TK, grad_TD, rec, sample, t.backward)
+        if sample >= 0:
             rows += sample_rows
     # the last timed iteration's collectives and routing (identical in every iteration)
     rows += comm_rows(rec)
@@ -94,13 +93,13 @@ def time_iteration(ctx, layer: MoELayer, x_TD, ids_TK, grad_TD, rec: Recorder, s
     rec.clear()
     layer.zero_grad(set_to_none=True)
     x = x_TD.clone().requires_grad_(backward)
-    _barrier(ctx)
-    t0 = time.perf_counter()
+    barrier(ctx.ep)
+    t0 = clock()
     out = layer(x, rec, ids_TK)
-    t1 = time.perf_counter()
+    t1 = clock()
     if backward:
         out.backward(grad_TD)
-    t2 = time.perf_counter()
+    t2 = clock()
     rows = timing_rows(rec, sample)
     rows.append(row("time", (t1 - t0) * 1e3, "ms", layer=0, rank=ctx.rank, phase="layer",
                     direction="forward", sample=sample))
@@ -110,8 +109,3 @@ def time_iteration(ctx, layer: MoELayer, x_TD, ids_TK, grad_TD, rec: Recorder, s
         rows.append(row("time", (t2 - t0) * 1e3, "ms", layer=0, rank=ctx.rank, phase="layer",
                         direction="forward+backward", sample=sample))
     return rows
-
-
-def _barrier(ctx) -> None:
-    if ctx.world_size > 1:
-        dist.barrier(group=ctx.ep.group)

@@ -10,19 +10,18 @@ Shapes: B sequences per rank, S sequence length, V vocabulary, N new tokens.
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as nnf
 from omegaconf import OmegaConf
 
 from ..data.batches import batch_iterator, eval_batches, token_ids
 from ..data.tokenizer import get_tokenizer
-from ..ep import Recorder
+from ..ep import Recorder, system_config
 from ..ep.accounting import recording
-from ..models.runtime import base_model, is_expert_parallel, make_rank_model, sync_gradients
+from ..ep.measure import clock, iterations, slowest
+from ..models.runtime import base_model, make_rank_model, sync_gradients
 from ..records import row
 from .common import comm_rows, parity_gate, routing_rows, timing_rows
 
@@ -44,13 +43,12 @@ def prepare(cfg_dict: dict) -> dict:
 
 def setup(ctx, cfg):
     """This rank's model (eval mode), tokenizer and the parity rows."""
-    tok = get_tokenizer(cfg.task.tokenizer_vocab, corpus=cfg.pretrain.corpus)
+    tok = get_tokenizer(cfg.pretrain.tokenizer_vocab, corpus=cfg.pretrain.corpus)
     vocab = cfg.model.vocab_size or tok.vocab_size
-    system = OmegaConf.to_container(cfg.system)
     rows = []
-    if cfg.task.check_parity and is_expert_parallel(system):
-        rows += parity_gate(ctx, system, cfg.model.num_experts, cfg.model.top_k, "router")
-    model = make_rank_model(ctx, base_model(cfg, vocab, cfg.get("checkpoint")), cfg, system)
+    if cfg.task.check_parity and system_config(cfg.system).expert_parallel:
+        rows += parity_gate(ctx, cfg.system, cfg.model.num_experts, cfg.model.top_k, "router")
+    model = make_rank_model(ctx, base_model(cfg, vocab, cfg.get("checkpoint")), cfg)
     return model.eval(), tok, rows
 
 
@@ -64,19 +62,6 @@ def rank_batch(ctx, cfg, tok, batch_size: int, seq_len: int, index: int = 0) -> 
         raise ValueError(f"task.batch_size={batch_size} x {ctx.world_size} ranks x task.seq_len={seq_len} "
                          f"needs more held-out text than the {cfg.task.split} split has")
     return x_BS[need - batch_size:need]
-
-
-def slowest(ctx, seconds: float) -> float:
-    """The slowest rank's time (an all-reduce of the maximum)."""
-    t = torch.tensor([seconds], dtype=torch.float64)
-    if ctx.world_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.ep.group)
-    return t.item()
-
-
-def _barrier(ctx) -> None:
-    if ctx.world_size > 1:
-        dist.barrier(group=ctx.ep.group)
 
 
 def _finish(ctx, cfg, rec: Recorder, rows: list, model) -> list:
@@ -100,10 +85,7 @@ def _placements(cfg, ctx, model) -> dict:
 def _iterations(ctx, t, rec: Recorder):
     """Warm-up then timed iterations, each started together on every rank with a cleared
     recorder: yields the sample index (negative during warm-up)."""
-    for it in range(t.warmup + t.iters):
-        rec.clear()
-        _barrier(ctx)
-        yield it - t.warmup
+    return iterations(ctx.ep, t.warmup, t.iters, before=rec.clear)
 
 
 def _serving_start(ctx, cfg_dict: dict):
@@ -120,12 +102,12 @@ def prefill_rank(ctx, cfg_dict: dict) -> list:
     cfg, model, rows, x_BS, rec = _serving_start(ctx, cfg_dict)
     t = cfg.task
     for sample in _iterations(ctx, t, rec):
-        t0 = time.perf_counter()
+        t0 = clock()
         with torch.no_grad(), recording(rec):
             logits = model(input_ids=x_BS, use_cache=False).logits
             logits[:, -1].argmax(-1)
-        took = time.perf_counter() - t0
-        worst = slowest(ctx, took)
+        took = clock() - t0
+        worst = slowest(ctx.ep, took)
         if sample < 0:
             continue
         rows += timing_rows(rec, sample)
@@ -145,18 +127,16 @@ def decode_rank(ctx, cfg_dict: dict) -> list:
     for sample in _iterations(ctx, t, rec):
         steps = []
         with torch.no_grad(), recording(rec):
-            t0 = time.perf_counter()
+            t0 = clock()
             out = model(input_ids=x_BS, use_cache=True)
-            ttft = time.perf_counter() - t0
+            ttft = clock() - t0
             cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
             for _ in range(t.new_tokens):
-                ts = time.perf_counter()
+                ts = clock()
                 out = model(input_ids=nxt, cache=cache, use_cache=True)
                 cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
-                steps.append(time.perf_counter() - ts)
-        worst = torch.tensor(steps + [ttft], dtype=torch.float64)
-        if ctx.world_size > 1:
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=ctx.ep.group)
+                steps.append(clock() - ts)
+        worst = torch.tensor(slowest(ctx.ep, steps + [ttft]), dtype=torch.float64)
         if sample < 0:
             continue
         rows += timing_rows(rec, sample)
@@ -185,7 +165,7 @@ def train_rank(ctx, cfg_dict: dict) -> list:
     rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives)
     for sample in _iterations(ctx, t, rec):
         x_BS, y_BS = next(batches)
-        t0 = time.perf_counter()
+        t0 = clock()
         with recording(rec):
             logits = model(input_ids=x_BS).logits
             loss = nnf.cross_entropy(logits.flatten(0, 1), y_BS.flatten())
@@ -193,8 +173,8 @@ def train_rank(ctx, cfg_dict: dict) -> list:
         sync_gradients(ctx, model)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        took = time.perf_counter() - t0
-        worst = slowest(ctx, took)
+        took = clock() - t0
+        worst = slowest(ctx.ep, took)
         if sample < 0:
             continue
         rows += timing_rows(rec, sample)

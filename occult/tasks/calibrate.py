@@ -1,4 +1,4 @@
-"""Measuring this machine's loopback inside a world of P ranks: the inputs of the cost model.
+"""task=calibrate: this machine's loopback inside a world of P ranks, the inputs of the cost model.
 
 Equal-split ``all_to_all_single`` calls at a few message sizes (each after a
 burst of compute and a barrier, as in a layer: with more ranks than cores a
@@ -7,10 +7,10 @@ starts, which a tight loop of collectives would miss), then the shared grouped
 SwiGLU experts at two row counts, all ranks at once. :mod:`analysis.calibrate`
 fits a latency/bandwidth line and a matmul rate to these rows.
 
-Runs as its own sweep point (``analysis.calibrate.run_rank``) or inside a
-``task=layer`` run (``task.calibrate=true``), right before the timed
-iterations, so that the check of the cost model sees the load its
-measurements saw.
+Runs as its own sweep point (``task=calibrate``: :func:`run_rank`; ``python run.py
+experiment=calibrate`` fits a profile from P = 2, 4, 8) or inside a ``task=layer`` run
+(``task.calibrate=true``), right before the timed iterations, so that the check of the
+cost model sees the load its measurements saw.
 
 Rows: ``calib_bytes`` (bytes per rank of size index ``layer``),
 ``calib_a2a_time`` (ms, per rank and repetition), ``calib_expert_rows``,
@@ -19,13 +19,12 @@ index ``layer``).
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .records import row
+from ..ep.measure import barrier, clock
+from ..records import row
 
 # bytes each rank sends to the other ranks together per call (the range task=layer moves:
 # 1 KiB rows, up to K x T = 4096 rows per rank), split equally over the peers
@@ -45,8 +44,8 @@ def _sent_bytes(rank_bytes: int, world_size: int) -> int:
 
 def _busy(ms: float, a_NN: torch.Tensor) -> None:
     """Matmuls for ``ms`` milliseconds (the compute a layer does between collectives)."""
-    end = time.perf_counter() + ms / 1e3
-    while time.perf_counter() < end:
+    end = clock() + ms / 1e3
+    while clock() < end:
         a_NN @ a_NN
 
 
@@ -63,17 +62,17 @@ def _time_a2a(ctx, rank_bytes: int, reps: int, work_ms=WORK_MS) -> list[float]:
     out = []
     for i in range(reps + 1):                         # one warm-up call
         _busy(work[(i - 1) % len(work)], a_NN)
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_to_all_single(recv, send, [n] * P, [n] * P)
-        out.append(time.perf_counter() - t0)
+        barrier(ctx.ep)
+        t0 = clock()
+        dist.all_to_all_single(recv, send, [n] * P, [n] * P, group=ctx.ep.group)
+        out.append(clock() - t0)
     return out[1:]
 
 
 def _grouped_seconds(local_experts: int, rows: int, reps: int) -> float:
     """Median seconds of the shared grouped SwiGLU experts (occult.ep.experts) on ``rows``
     rows spread evenly over ``local_experts`` experts."""
-    from .ep.experts import grouped_swiglu
+    from ..ep.experts import grouped_swiglu
     g = torch.Generator().manual_seed(0)
     e = local_experts
     x = torch.randn(rows, HIDDEN, generator=g)
@@ -83,9 +82,9 @@ def _grouped_seconds(local_experts: int, rows: int, reps: int) -> float:
     counts[: rows - int(counts.sum())] += 1
     took = []
     for _ in range(reps + 1):
-        t0 = time.perf_counter()
+        t0 = clock()
         grouped_swiglu(x, counts, wg, wu, wd)
-        took.append(time.perf_counter() - t0)
+        took.append(clock() - t0)
     return float(np.median(took[1:]))
 
 
@@ -97,7 +96,7 @@ def calibration_rows(ctx, sizes=RANK_BYTES, reps: int = 8) -> list:
             rows.append(row("calib_bytes", _sent_bytes(size, ctx.world_size), "bytes", layer=i))
         for s, sec in enumerate(_time_a2a(ctx, size, reps)):
             rows.append(row("calib_a2a_time", sec * 1e3, "ms", layer=i, rank=ctx.rank, sample=s))
-    dist.barrier()
+    barrier(ctx.ep)
     e = max(EXPERTS // ctx.world_size, 1)
     for i, n in enumerate(EXPERT_ROWS):
         if ctx.rank == 0:
@@ -105,3 +104,11 @@ def calibration_rows(ctx, sizes=RANK_BYTES, reps: int = 8) -> list:
             rows.append(row("calib_local_experts", e, "experts", layer=i))
         rows.append(row("calib_expert_time", _grouped_seconds(e, n, reps) * 1e3, "ms", layer=i, rank=ctx.rank))
     return rows
+
+
+def run_rank(ctx, cfg_dict: dict) -> list:
+    """Task entry (``task=calibrate``): the calibration as a sweep point (``task.iters``
+    timed calls per size, at least 3)."""
+    if ctx.world_size < 2:
+        raise ValueError("task=calibrate needs cluster.world_size >= 2 (it times all-to-alls between ranks)")
+    return calibration_rows(ctx, RANK_BYTES, max(int(cfg_dict["task"]["iters"]), 3))

@@ -1,0 +1,76 @@
+"""How everything the harness times is timed: one clock, one barrier, warm-up and timed
+iterations started together, and the slowest rank.
+
+Every timed thing uses this module: the recorder's spans and the accounted collectives
+(:mod:`occult.ep.accounting`, :mod:`occult.ep.comm`), the tasks' iterations, the
+benchmark and the loopback calibration. A step lasts as long as its slowest rank, so
+over-all-ranks figures reduce with :func:`slowest`.
+
+The clock is the host's monotonic performance counter (``CLOCK = "host"``); every
+rank here computes on the CPU, where the host clock sees the work as it happens.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Iterator, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+CLOCK = "host"
+
+
+def clock() -> float:
+    """Seconds on the measuring clock (only differences mean anything)."""
+    return perf_counter()
+
+
+def barrier(ep) -> float:
+    """Waits until every rank of ``ep`` (an :class:`occult.ep.comm.EPGroup`) gets here;
+    returns the seconds waited (0 in a world of one)."""
+    if ep.world_size <= 1:
+        return 0.0
+    t0 = clock()
+    dist.barrier(group=ep.group)
+    return clock() - t0
+
+
+@dataclass
+class Stopwatch:
+    """What :func:`stopwatch` measured: ``seconds`` once the block has ended."""
+
+    start: float
+    seconds: float = 0.0
+
+
+@contextmanager
+def stopwatch() -> Iterator[Stopwatch]:
+    """Times the enclosed block: ``with stopwatch() as sw: ...; sw.seconds``."""
+    sw = Stopwatch(clock())
+    try:
+        yield sw
+    finally:
+        sw.seconds = clock() - sw.start
+
+
+def slowest(ep, seconds: Union[float, Sequence[float]]) -> Union[float, list]:
+    """The largest value over the ranks of ``ep`` (an all-reduce of the maximum), for one
+    time or element-wise for a list of times."""
+    many = not isinstance(seconds, (int, float))
+    t = torch.tensor(list(seconds) if many else [seconds], dtype=torch.float64)
+    if ep.world_size > 1 and t.numel():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ep.group)
+    return t.tolist() if many else t.item()
+
+
+def iterations(ep, warmup: int, iters: int, before=None) -> Iterator[int]:
+    """Warm-up then timed iterations, each started together on every rank (``before()``,
+    if given, runs first, e.g. clearing a recorder): yields the sample index, negative
+    during warm-up."""
+    for it in range(warmup + iters):
+        if before is not None:
+            before()
+        barrier(ep)
+        yield it - warmup

@@ -1,0 +1,151 @@
+"""A system is one typed config and one class.
+
+Each system class (a :class:`occult.ep.dispatcher.Dispatcher`) nests its options as a
+dataclass named ``Config``, a subclass of :class:`SystemConfig`; every option and its
+default are declared there, once. ``conf/system/<name>.yaml`` names the system and
+its class (``name``, ``_target_``); :func:`occult.config.register` puts every such
+class's ``Config`` in Hydra's ConfigStore, so a misspelt or mistyped option fails
+when the config is composed.
+
+:meth:`SystemConfig.build` is the one way to make a system for an MoE layer (tasks,
+models, parity and the benchmark all call it): the layer's placement, then the class.
+A system that keeps the model's own MoE blocks (the no-EP reference) is a config
+whose ``build`` returns None.
+
+The core knows no system by name: it imports a system's class from ``_target_``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from ..errors import ConfigError
+from .comm import EPGroup
+from .placement import Placement
+
+
+def import_object(path: str):
+    """``'pkg.mod.Name'`` -> the object (nested names allowed: ``'pkg.mod.Cls.Inner'``)."""
+    module, _, name = path.rpartition(".")
+    if not module:
+        raise ImportError(f"no module named {path!r}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError:
+        outer = import_object(module)        # 'pkg.mod.Cls' + 'Inner'
+        return getattr(outer, name)
+
+
+def divisors(n: int) -> list[int]:
+    return [p for p in range(1, n + 1) if n % p == 0]
+
+
+@dataclass
+class SystemConfig:
+    """The options of one system; subclasses add theirs (typed, with their defaults).
+
+    ``name`` is the system's config name (the ``system`` column of every row),
+    ``_target_`` its class. The methods say what the options mean for a run.
+    """
+
+    name: str = MISSING
+    _target_: str = MISSING
+
+    # whether build() makes a dispatcher (False: the model's own MoE blocks, no EP)
+    expert_parallel: ClassVar[bool] = True
+
+    def system_class(self) -> type:
+        """The class that ``_target_`` names."""
+        return import_object(self._target_)
+
+    @property
+    def impl(self) -> str:
+        """``harness`` or ``library``: who runs the scheme (the ``impl`` column)."""
+        return self.system_class().impl
+
+    def options(self) -> dict:
+        """Every option but ``name`` and ``_target_``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("name", "_target_")}
+
+    def options_json(self) -> str:
+        """The options as canonical JSON (sorted keys): the ``system_options`` column."""
+        return json.dumps(self.options(), sort_keys=True, default=str)
+
+    def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+        """Raises ``ValueError`` naming the field (one line) when this system cannot run
+        the shape with these options. Subclasses add their option checks."""
+        if num_experts % world_size:
+            raise ValueError(
+                f"model.num_experts={num_experts} is not divisible by the world size {world_size} "
+                f"(cluster); system '{self.name}' needs equal expert groups. "
+                f"Allowed world sizes: {divisors(num_experts)}")
+
+    def is_exact(self) -> bool:
+        """Whether the system with these options returns exactly top-k MoE (False for
+        schemes that drop tokens or change the routing)."""
+        return self.system_class().exact
+
+    def layer_placement(self, layer: int, num_experts: int, world_size: int) -> Placement:
+        """The placement of MoE layer ``layer`` (contiguous unless a system says otherwise,
+        e.g. from a placement artifact named in its options)."""
+        return Placement.contiguous(num_experts, world_size)
+
+    def build(self, ep: EPGroup, layer: int, num_experts: int, placement: Optional[Placement] = None):
+        """This rank's system for MoE layer ``layer``: a dispatcher with the layer's
+        placement (``placement`` overrides it), or None for a system without one."""
+        placement = placement or self.layer_placement(layer, num_experts, ep.world_size)
+        return self.system_class()(ep, placement, self)
+
+
+def system_schema(cls: type) -> type:
+    """The typed config class of a system class (its nested ``Config``)."""
+    schema = getattr(cls, "Config", None)
+    if not (isinstance(schema, type) and issubclass(schema, SystemConfig)):
+        raise ConfigError(f"{cls.__module__}.{cls.__qualname__} is not a system: it needs a nested "
+                          "Config dataclass that subclasses occult.ep.system.SystemConfig")
+    return schema
+
+
+def system_config(system) -> SystemConfig:
+    """The typed config of a system from a ``SystemConfig``, a dict or a DictConfig
+    (``name``, ``_target_`` and options). Errors are one line naming the field."""
+    if isinstance(system, SystemConfig):
+        return system
+    d = OmegaConf.to_container(system, resolve=True) if isinstance(system, DictConfig) else dict(system)
+    name, target = d.get("name"), d.get("_target_")
+    if not name or not target or name == MISSING or target == MISSING:
+        raise ConfigError("system: needs 'name' and '_target_' (see conf/system)")
+    try:
+        cls = import_object(target)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"system={name}: cannot import {target!r} ({exc})") from exc
+    schema = system_schema(cls)
+    allowed = [f.name for f in dataclasses.fields(schema) if f.name not in ("name", "_target_")]
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(schema), d)
+        return OmegaConf.to_object(typed)
+    except ConfigKeyError as exc:
+        key = str(getattr(exc, "key", "") or "").split(".")[-1]
+        raise ConfigError(f"system.{key}: unknown option of system '{name}'; allowed: {allowed}") from exc
+    except OmegaConfBaseException as exc:
+        key = str(getattr(exc, "key", "") or "")
+        msg = str(exc).splitlines()[0]
+        raise ConfigError(f"system.{key}: {msg} (system '{name}'; options: {allowed})") from exc
+
+
+def make_config(cls: type, name: Optional[str] = None, **options) -> SystemConfig:
+    """The typed config of system class ``cls`` with ``options`` (tests and scripts)."""
+    target = f"{cls.__module__}.{cls.__qualname__}"
+    return system_config({"name": name or cls.__name__, "_target_": target, **options})
+
+
+def build_system(system, ep: EPGroup, layer: int, num_experts: int, placement: Optional[Placement] = None):
+    """:meth:`SystemConfig.build` of any form :func:`system_config` accepts."""
+    return system_config(system).build(ep, layer, num_experts, placement)
