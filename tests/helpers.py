@@ -36,3 +36,14 @@ def exit_on_rank(ctx, bad_rank: int):
 
 def rank_info(ctx):
     return ctx.rank, ctx.world_size, torch.initial_seed(), torch.get_num_threads()
+
+
+def kill_rank(ctx, bad_rank: int):
+    """``bad_rank`` is killed by SIGKILL while its peers wait for it in a collective."""
+    import signal
+    if ctx.rank == bad_rank:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.zeros(1)
+    dist.all_reduce(t)
+    return "unreachable"

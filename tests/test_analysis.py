@@ -185,6 +185,8 @@ def calibration_run(P):
     for i, n in enumerate((512, 4096)):
         rows.append(row("calib_expert_rows", n, "rows", layer=i))
         rows.append(row("calib_local_experts", 16 // P, "experts", layer=i))
+        rows.append(row("calib_expert_hidden", 256, "D", layer=i))
+        rows.append(row("calib_expert_ffn", 128, "F", layer=i))
         for r in range(P):
             rows.append(row("calib_expert_time", 1.0 + n / 1000, "ms", layer=i, rank=r))
     ctx = _context("naive", "layer_small", "calibrate", P, 16, 2, 32, 16)

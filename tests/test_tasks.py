@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from occult.ep import Placement, ct_all
-from occult.tasks.traces import load_trace, trace_topk
+from occult.routing_traces import load_trace, trace_topk
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16", "model.num_layers=2",

@@ -6,13 +6,12 @@ from .experts import GroupedExperts, grouped_swiglu, init_expert_weights, swiglu
 from .layer import MoELayer, ReferenceMoE, reference_moe
 from .placement import Placement
 from .router import RoutingTransform, TopKRouter, gate_weights
-from .system import SystemConfig, build_system, import_object, make_config, system_config
+from .system import SystemConfig, import_object, system_config
 
 __all__ = [
     "Recorder", "ct_all", "ct_bounds", "ct_remote", "devices_per_token", "intra_ratio",
     "EPGroup", "Exchange", "all_to_all_rows", "exchange_counts", "Dispatcher", "SplitDispatcher",
     "GroupedExperts", "grouped_swiglu", "init_expert_weights", "swiglu",
     "MoELayer", "ReferenceMoE", "reference_moe", "Placement", "RoutingTransform",
-    "TopKRouter", "gate_weights", "SystemConfig", "build_system", "import_object", "make_config",
-    "system_config",
+    "TopKRouter", "gate_weights", "SystemConfig", "import_object", "system_config",
 ]

@@ -138,14 +138,3 @@ def system_config(system) -> SystemConfig:
         key = str(getattr(exc, "key", "") or "")
         msg = str(exc).splitlines()[0]
         raise ConfigError(f"system.{key}: {msg} (system '{name}'; options: {allowed})") from exc
-
-
-def make_config(cls: type, name: Optional[str] = None, **options) -> SystemConfig:
-    """The typed config of system class ``cls`` with ``options`` (tests and scripts)."""
-    target = f"{cls.__module__}.{cls.__qualname__}"
-    return system_config({"name": name or cls.__name__, "_target_": target, **options})
-
-
-def build_system(system, ep: EPGroup, layer: int, num_experts: int, placement: Optional[Placement] = None):
-    """:meth:`SystemConfig.build` of any form :func:`system_config` accepts."""
-    return system_config(system).build(ep, layer, num_experts, placement)

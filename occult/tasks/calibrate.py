@@ -14,8 +14,9 @@ cost model sees the load its measurements saw.
 
 Rows: ``calib_bytes`` (bytes per rank of size index ``layer``),
 ``calib_a2a_time`` (ms, per rank and repetition), ``calib_expert_rows``,
-``calib_local_experts`` and ``calib_expert_time`` (ms, per rank, of row-count
-index ``layer``).
+``calib_local_experts``, ``calib_expert_hidden`` and ``calib_expert_ffn`` (the
+experts' D and F) and ``calib_expert_time`` (ms, per rank, of row-count index
+``layer``).
 """
 from __future__ import annotations
 
@@ -102,6 +103,8 @@ def calibration_rows(ctx, sizes=RANK_BYTES, reps: int = 8) -> list:
         if ctx.rank == 0:
             rows.append(row("calib_expert_rows", n, "rows", layer=i))
             rows.append(row("calib_local_experts", e, "experts", layer=i))
+            rows.append(row("calib_expert_hidden", HIDDEN, "D", layer=i))
+            rows.append(row("calib_expert_ffn", FFN, "F", layer=i))
         rows.append(row("calib_expert_time", _grouped_seconds(e, n, reps) * 1e3, "ms", layer=i, rank=ctx.rank))
     return rows
 

@@ -1,10 +1,5 @@
-"""Routing traces: what every token of a run chose, per MoE layer, for analysis without
-rerunning the model.
-
-``routing.parquet``: columns ``layer, rank, token, slot, expert, weight`` (one row per
-(token, top-k slot)); ``router_logits.npz``: one float32 array [T, E] per layer
-(``layer_<i>``, all ranks' tokens in rank order). Written by rank 0.
-"""
+"""Writing a run's routing trace (rank 0, after gathering every rank's routing); the
+format and its readers are :mod:`occult.routing_traces`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..ep import Recorder
+from ..routing_traces import LOGITS_FILE, ROUTING_FILE
 
 
 def _gather(ctx, obj):
@@ -51,27 +47,6 @@ def write_trace(ctx, rec: Recorder, out_dir: Path) -> None:
         if all_logits:
             logits_arrays[f"layer_{layer}"] = np.concatenate(all_logits)
     out_dir.mkdir(parents=True, exist_ok=True)
-    pd.concat(frames, ignore_index=True).to_parquet(out_dir / "routing.parquet", index=False)
+    pd.concat(frames, ignore_index=True).to_parquet(out_dir / ROUTING_FILE, index=False)
     if logits_arrays:
-        np.savez(out_dir / "router_logits.npz", **logits_arrays)
-
-
-def load_trace(run_dir) -> tuple[pd.DataFrame, dict]:
-    """The trace of a run folder: (routing DataFrame, {layer: logits [T, E]})."""
-    run_dir = Path(run_dir)
-    df = pd.read_parquet(run_dir / "routing.parquet")
-    logits = {}
-    path = run_dir / "router_logits.npz"
-    if path.is_file():
-        with np.load(path, allow_pickle=False) as z:
-            logits = {int(k.split("_")[1]): z[k] for k in z.files}
-    return df, logits
-
-
-def trace_topk(df: pd.DataFrame, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's top-k ids [T, K] (all ranks, rank order) and each token's home rank [T]."""
-    sel = df[df.layer == layer].sort_values(["rank", "token", "slot"])
-    K = int(sel.slot.max()) + 1
-    ids = torch.tensor(sel.expert.to_numpy(), dtype=torch.long).view(-1, K)
-    home = torch.tensor(sel["rank"].to_numpy()[::K], dtype=torch.long)
-    return ids, home
+        np.savez(out_dir / LOGITS_FILE, **logits_arrays)

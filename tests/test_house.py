@@ -1,0 +1,231 @@
+"""The house: a new system is one class and one YAML file; rows name their run; resume
+never reuses another config's results; bad input is one line; sweeps show progress; a
+killed rank is named; a stale lock ends quickly."""
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+from occult.config import CONF_DIR, register
+from occult.dist import RankFailed, launch
+from occult.ep import system_config
+from occult.parity import run_grid
+from occult.records import config_hash, hashed_config
+
+import helpers
+from test_parity import cases_for, failures_of, parity_jobs
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16", "model.num_layers=2",
+        "task.batch_size=2", "task.seq_len=16", "task.warmup=0", "task.iters=1"]
+SMALL = ["model.hidden_size=32", "model.expert_ffn_size=16", "task.tokens_per_rank=32", "task.warmup=0",
+         "task.iters=1"]
+
+TOY_CLASS = '''
+"""A toy split system from outside the repository: naive EP written with the core's helpers."""
+from dataclasses import dataclass
+
+from occult.ep import Exchange, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
+from occult.ep.permute import expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination
+from occult.ep.permute import weighted_scatter_add
+
+
+@dataclass(frozen=True)
+class ToyHandle:
+    token_R: object
+    weight_R: object
+    inv_perm_R: object
+    send_P: list
+    recv_P: list
+    num_tokens: int
+    layer: int
+    recorder: object
+
+
+class ToySplit(SplitDispatcher):
+    @dataclass
+    class Config(SystemConfig):
+        spare: int = 0          # an option of its own (typed)
+
+    def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
+        order_R, send_Pe = sort_pairs_by_destination(topk_ids_TK, self.placement)
+        recv_Pe = exchange_counts(send_Pe, self.ep, Exchange(layer, "counts", recorder))
+        send_P, recv_P = send_Pe.sum(1).tolist(), recv_Pe.sum(1).tolist()
+        token_R = order_R // topk_ids_TK.shape[1]
+        got_RD = all_to_all_rows(gather_rows(x_TD, token_R), send_P, recv_P, self.ep,
+                                 Exchange(layer, "dispatch", recorder))
+        perm_R = expert_major_order(recv_Pe)
+        handle = ToyHandle(token_R, topk_weights_TK.flatten()[order_R], inverse_permutation(perm_R), send_P,
+                           recv_P, x_TD.shape[0], layer, recorder)
+        return gather_rows(got_RD, perm_R), recv_Pe.sum(0), handle
+
+    def combine(self, y_RD, h):
+        back_RD = all_to_all_rows(gather_rows(y_RD, h.inv_perm_R), h.recv_P, h.send_P, self.ep,
+                                  Exchange(h.layer, "combine", h.recorder))
+        return weighted_scatter_add(h.num_tokens, h.token_R, back_RD, h.weight_R)
+'''
+TOY_YAML = "# A toy system (tests/test_house.py).\nname: toy\n_target_: toy_split.ToySplit\n"
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    """A folder with the toy class and its conf/system YAML, nothing else."""
+    (tmp_path / "toy_split.py").write_text(textwrap.dedent(TOY_CLASS))
+    (tmp_path / "conf" / "system").mkdir(parents=True)
+    (tmp_path / "conf" / "system" / "toy.yaml").write_text(TOY_YAML)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def run_py(*args, env=None, check=True, timeout=400):
+    proc = subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    if check and proc.returncode:
+        raise AssertionError(f"run.py {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def plain_env(**extra) -> dict:
+    """The environment without HYDRA_FULL_ERROR (the tests' conftest sets it)."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return {**env, **extra}
+
+
+@pytest.mark.timeout(300)
+def test_a_toy_system_from_a_folder_passes_parity(toy):
+    jobs, labels = parity_jobs(2, {"toy": {"name": "toy", "_target_": "toy_split.ToySplit", "spare": 3}})
+    results = launch(run_grid, 2, (jobs,), timeout_s=240, collective_timeout_s=60)
+    assert not failures_of(labels, results, 2)
+    assert len(labels) == len(cases_for(2)) > 10
+
+
+@pytest.mark.timeout(600)
+def test_a_toy_system_from_a_folder_joins_a_fig1_sweep(toy):
+    sweep = toy / "sweep"
+    env = plain_env(PYTHONPATH=str(toy))
+    run_py("experiment=fig1_latency", f"hydra.searchpath=[file://{toy / 'conf'}]", f"hydra.sweep.dir={sweep}",
+           "system=naive,toy", "model=olmoe_proxy", "task=prefill", *TINY, env=env)
+    frames = [pd.read_parquet(p) for p in sweep.rglob("results.parquet")]
+    assert sorted(df.system.iloc[0] for df in frames) == ["naive", "toy"]
+    toy_rows = next(df for df in frames if df.system.iloc[0] == "toy")
+    assert toy_rows.system_options.iloc[0] == '{"spare": 0}' and set(toy_rows.impl) == {"harness"}
+    assert (toy_rows[toy_rows.metric == "parity_checked"].value == 1).all()
+    report = (sweep / "report.md").read_text()
+    assert "toy" in report.split("Fig. 1")[1]
+    # a misspelt option of the toy fails when the config is composed, naming the allowed ones
+    bad = run_py(f"hydra.searchpath=[file://{toy / 'conf'}]", "system=toy", "system.sprae=1", env=env, check=False)
+    assert bad.returncode == 2
+    assert "error: system.sprae: unknown key; allowed: name, _target_, spare" in bad.stderr
+
+
+def _cfg(*overrides):
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_misspelt_or_mistyped_system_options_fail_at_compose_time():
+    from hydra.errors import ConfigCompositionException
+
+    from occult.cli import describe
+    with pytest.raises(ConfigCompositionException) as err:
+        _cfg("system=occult_prune_sim", "system.budgett=2")
+    assert describe(err.value).startswith("system.budgett: unknown key; allowed: name, _target_, kernels, "
+                                          "placement_file, budget, weight_rule")
+    with pytest.raises(ConfigCompositionException) as err:
+        _cfg("system=tutel", "system.capacity_factor=lots")
+    assert describe(err.value).startswith("system.capacity_factor='lots'")
+    assert system_config(_cfg("system=tutel", "system.capacity_factor=1.5").system).capacity_factor == 1.5
+
+
+def test_run_ids_are_unique_per_config_and_name_the_options():
+    """The pruning budgets 1, 2, 4 have distinct run_ids (they shared one before); the rows
+    carry the system's options, so analysis needs no .hydra file."""
+    from occult.runner import run_context
+    from omegaconf import OmegaConf
+    ids = set()
+    for budget in (1, 2, 4):
+        cfg = _cfg("experiment=fig7_pruning", "system=occult_prune_score", f"system.budget={budget}")
+        digest = config_hash(hashed_config(OmegaConf.to_container(cfg, resolve=True)))
+        ctx = run_context(cfg, {}, digest)
+        assert f'"budget": {budget}' in ctx["system_options"] and ctx["init"] == "random"
+        ids.add(ctx["run_id"])
+    assert len(ids) == 3
+
+
+def test_figure_builders_read_no_hydra_files():
+    for path in (ROOT / "analysis").glob("*.py"):
+        text = path.read_text()
+        for name in ('".hydra"', "'.hydra'", "multirun.yaml", "overrides.yaml"):
+            assert name not in text, (path, name)
+
+
+@pytest.mark.timeout(300)
+def test_resume_skips_the_same_config_and_refuses_another(tmp_path):
+    out = tmp_path / "run"
+    run_py("system=naive", "cluster=cpu1", *SMALL, f"out_dir={out}")
+    again = run_py("system=naive", "cluster=cpu1", *SMALL, f"out_dir={out}")
+    assert "results of this config exist" in again.stdout + again.stderr
+    other = run_py("system=naive", "cluster=cpu1", *SMALL, "task.routing=zipf", f"out_dir={out}",
+                   env=plain_env(), check=False)
+    assert other.returncode != 0
+    assert "holds results of a different config (task.routing: 'uniform' -> 'zipf')" in other.stderr
+    assert "resume=false" in other.stderr and "Traceback" not in other.stderr
+    replaced = run_py("system=naive", "cluster=cpu1", *SMALL, "task.routing=zipf", "resume=false", f"out_dir={out}")
+    assert replaced.returncode == 0
+    assert set(pd.read_parquet(out / "results.parquet").routing) == {"zipf"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("overrides, line", [
+    (["model.topk=2"], "error: model.topk: unknown key; allowed: name, num_experts, top_k"),
+    (["model.top_k=two"], "error: model.top_k='two': Value 'two' of type 'str' could not be converted to Integer"),
+    (["system=nonesuch"], "error: system=nonesuch: no such option; available: deepspeed, exflow"),
+    (["model.hidden_size=0"], "error: model.hidden_size=0: must be at least 1"),
+    (["task.zipf_s=-0.5"], "error: task.zipf_s=-0.5: must be >= 0"),
+    (["system=occult_prune_score", "system.budget=8"],
+     "error: system.budget=8 is above cluster.world_size=4: a token can use at most 4 devices, so this budget "
+     "would not prune anything"),
+])
+def test_bad_input_is_one_line_without_a_traceback(overrides, line, tmp_path):
+    proc = run_py(*overrides, f"hydra.run.dir={tmp_path}", env=plain_env(), check=False, timeout=120)
+    assert proc.returncode != 0
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(line), proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_sweep_shows_points_done_and_time_left(tmp_path):
+    proc = run_py("-m", "system=naive", "cluster=cpu1", "model.top_k=1,2,4", *SMALL,
+                  f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    log = proc.stdout + proc.stderr
+    assert "[point 1/3]" in log and "[point 3/3]" in log and "(2 done, about" in log and "left)" in log
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_rank_is_named_with_its_signal():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 was killed by SIGKILL \(exit code -9\); the other ranks'"):
+        launch(helpers.kill_rank, 2, (1,), timeout_s=40, collective_timeout_s=30)
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_stale_lock_ends_quickly_and_names_the_file(tmp_path):
+    from baselines.deepspeed import wait_for_op_lock
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"{lock} has been held for over 0 s: .*\(rm {lock}\)"):
+        wait_for_op_lock(lock, timeout_s=0.3)
+    assert time.monotonic() - t0 < 5
+    threading.Timer(0.2, lock.unlink).start()       # a lock released by its holder: the wait ends
+    wait_for_op_lock(lock, timeout_s=5)

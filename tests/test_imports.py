@@ -1,0 +1,135 @@
+"""Imports point down. Every import in the project's Python files (module level and inside
+functions) is parsed; an import from a module to one above it fails the test.
+
+The intended order, top (entry points) to bottom (the neutral core and below); a module
+may import its own level and any level below:
+
+  0  run.py, hydra_plugins               Hydra entry point and sweeper
+  1  analysis                            reads result tables: reports, figures, cost model
+  2  occult.runner, occult.cli,          compose -> validate -> launch -> write
+     occult.validate, occult.config
+  3  occult.tasks, occult.dist           what runs on the ranks, and starting them
+  4  occult.models, occult.parity,       whole models, the parity check, data, memory
+     occult.data, occult.memory
+  5  baselines, occult.collab            the systems (Occult's method is one of them)
+  6  occult.pruning, occult.placement,   pieces of the method, result files
+     occult.kernels, occult.records,
+     occult.routing_traces
+  7  occult.ep                           the neutral core: knows no system by name
+  8  occult.errors, occult.synthetic     below everything
+
+And rules that the order alone does not say: ``analysis`` never starts ranks (it does
+not import the launcher, the runner, the tasks or the parity runs), and the method
+(``occult.collab``) does not import tasks, models or data (router profiling is a task).
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LEVELS = {
+    "run": 0, "hydra_plugins": 0,
+    "analysis": 1,
+    "occult.runner": 2, "occult.cli": 2, "occult.validate": 2, "occult.config": 2,
+    "occult.tasks": 3, "occult.dist": 3,
+    "occult.models": 4, "occult.parity": 4, "occult.data": 4, "occult.memory": 4,
+    "baselines": 5, "occult.collab": 5,
+    "occult.pruning": 6, "occult.placement": 6, "occult.kernels": 6, "occult.records": 6,
+    "occult.routing_traces": 6,
+    "occult.ep": 7,
+    "occult.errors": 8, "occult.synthetic": 8,
+}
+FORBIDDEN = {   # importer prefix -> imported prefixes it must not use, whatever the levels say
+    "analysis": ("occult.dist", "occult.runner", "occult.cli", "occult.tasks", "occult.parity"),
+    "occult.collab": ("occult.tasks", "occult.models", "occult.data"),
+}
+SOURCES = ["run.py", "hydra_plugins", "analysis", "occult", "baselines"]
+
+
+def level_of(module: str):
+    """The level of a project module (longest matching prefix), None for third-party ones."""
+    if module == "occult":
+        return LEVELS["occult.errors"]      # the package's __init__: imports nothing of its own
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        key = ".".join(parts[:n])
+        if key in LEVELS:
+            return LEVELS[key]
+    if parts[0] in ("occult", "analysis", "baselines", "hydra_plugins", "run"):
+        raise AssertionError(f"module {module} has no level in tests/test_imports.py: place it")
+    return None
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports_of(module: str, source: str, is_package: bool = False) -> list:
+    """Every project module ``module``'s source imports (absolute names)."""
+    out = []
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            out.append(target)
+            out += [f"{target}.{a.name}" for a in node.names]     # `from pkg import submodule`
+    return out
+
+
+def violations(module: str, source: str, is_package: bool = False) -> list:
+    """``importer -> imported`` arrows of ``source`` that point up or break a rule."""
+    mine = level_of(module)
+    bad = []
+    for target in imports_of(module, source, is_package):
+        try:
+            theirs = level_of(target)
+        except AssertionError:
+            theirs = None          # `from pkg import name`: a name, not a module
+        if theirs is None:
+            continue
+        rules = [bad_prefix for prefix, banned in FORBIDDEN.items() if module.startswith(prefix)
+                 for bad_prefix in banned if target == bad_prefix or target.startswith(bad_prefix + ".")]
+        if theirs < mine or rules:
+            bad.append(f"{module} (level {mine}) -> {target} (level {theirs})")
+    return sorted(set(bad))
+
+
+def project_files() -> list:
+    files = []
+    for name in SOURCES:
+        p = ROOT / name
+        files += [p] if p.is_file() else sorted(p.rglob("*.py"))
+    return files
+
+
+def test_every_import_points_down():
+    bad = []
+    for path in project_files():
+        bad += violations(module_name(path), path.read_text(), path.name == "__init__.py")
+    assert not bad, "imports that point up:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("module, source", [
+    ("occult.ep.experts", "from ..kernels import use_triton"),                # the core knowing Occult's kernels
+    ("occult.ep.experts", "from ..collab.experts import GatheredRows"),
+    ("occult.collab.variants", "from ..tasks.pretrain import RouterTap"),     # the method running a task
+    ("occult.collab.variants", "from ..models.build import moe_blocks"),
+    ("occult.collab.variants", "from ..data.batches import batch_iterator"),
+    ("analysis.bench", "from occult.dist import launch"),                     # analysis starting ranks
+    ("analysis.studies", "from occult.tasks.model import setup"),
+    ("occult.runner", "from analysis.report import write_report"),            # the runner writing reports
+])
+def test_the_check_fails_on_each_arrow_put_back(module, source):
+    """Each arrow the house issue removed is caught when it is put back."""
+    assert violations(module, f"def f():\n    {source}\n")
