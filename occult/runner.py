@@ -74,11 +74,13 @@ def run(cfg: DictConfig, out_dir) -> Path | None:
     if cfg.resume and already_done(out_dir, hashed):
         log.info("results of this config exist in %s: skipped (resume=true)", out_dir)
         return None
-    validate(cfg)
+    for note in validate(cfg):
+        log.warning(note)
     entry = import_object(cfg.task.entry)
     c = cfg.cluster
-    log.info("running system=%s model=%s task=%s on %d rank(s)", cfg.system.name, cfg.model.name,
-             cfg.task.name, c.world_size)
+    systems = ",".join(cfg.task.compare) if cfg.task.compare else cfg.system.name
+    log.info("running system=%s model=%s task=%s on %d rank(s)", systems, cfg.model.name, cfg.task.name,
+             c.world_size)
     t0 = time.perf_counter()
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     cfg_dict["out_dir_resolved"] = str(out_dir)

@@ -69,6 +69,5 @@ def test_validation_errors_name_the_field(overrides, message):
 
 def test_more_ranks_than_cores_is_a_warning(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    with pytest.warns(UserWarning, match="more than this machine's 2 cores"):
-        notes = validate(cfg_with("cluster=cpu8"))
-    assert notes
+    notes = validate(cfg_with("cluster=cpu8"))
+    assert len(notes) == 1 and "more than this machine's 2 cores" in notes[0]
