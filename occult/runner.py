@@ -31,6 +31,8 @@ log = logging.getLogger("occult")
 ERROR_FILE = "error.txt"
 # points of this process's multirun that failed; run.py exits non-zero when any did
 FAILED_POINTS: list = []
+# validation notes already logged by this process
+NOTED: set = set()
 # the number of points of the running sweep (set by the sweeper, read for progress lines)
 SWEEP_POINTS_ENV = "OCCULT_SWEEP_POINTS"
 
@@ -75,7 +77,9 @@ def run(cfg: DictConfig, out_dir) -> Path | None:
         log.info("results of this config exist in %s: skipped (resume=true)", out_dir)
         return None
     for note in validate(cfg):
-        log.warning(note)
+        if note not in NOTED:            # once per process, not once per sweep point
+            NOTED.add(note)
+            log.warning(note)
     entry = import_object(cfg.task.entry)
     c = cfg.cluster
     systems = ",".join(cfg.task.compare) if cfg.task.compare else cfg.system.name

@@ -229,3 +229,31 @@ def test_a_stale_lock_ends_quickly_and_names_the_file(tmp_path):
     assert time.monotonic() - t0 < 5
     threading.Timer(0.2, lock.unlink).start()       # a lock released by its holder: the wait ends
     wait_for_op_lock(lock, timeout_s=5)
+
+
+@pytest.mark.timeout(300)
+def test_pretraining_is_bit_reproducible_whatever_the_callers_threads(tmp_path):
+    """The same config and seed give the same checkpoint, even when the calling process
+    runs at another thread count (pretrain.threads is what the training uses)."""
+    import hashlib
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from occult.tasks.pretrain import pretrain
+    model = OmegaConf.load(CONF_DIR / "model" / "olmoe_proxy.yaml")
+    model.update(hidden_size=32, expert_ffn_size=16, num_layers=2, num_experts=8, top_k=2)
+    cfg = OmegaConf.create({"model": model, "seed": 3, "pretrain": {
+        "steps": 3, "lr": 3e-3, "batch_size": 2, "seq_len": 16, "balance_coef": 0.1, "tokenizer_vocab": 4096,
+        "corpus": "shakespeare", "eval_every": 0, "threads": 2}})
+    digests = []
+    before = torch.get_num_threads()
+    try:
+        for i, threads in enumerate((1, 2)):
+            torch.set_num_threads(threads)
+            pretrain(cfg, tmp_path / f"ckpt{i}", progress=False)
+            digests.append(hashlib.sha256((tmp_path / f"ckpt{i}" / "model.safetensors").read_bytes()).hexdigest())
+            assert torch.get_num_threads() == threads          # restored after training
+    finally:
+        torch.set_num_threads(before)
+    assert digests[0] == digests[1]

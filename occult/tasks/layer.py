@@ -5,7 +5,7 @@ experts its placement gives it; tokens and synthetic routing are seeded per
 rank. Before anything is timed the system is checked against the
 single-device reference (task.check_parity). Every timed sample is kept.
 With ``task.calibrate=true`` the ranks first measure their loopback
-(:mod:`occult.calibration`), so that the cost model can be checked against
+(:mod:`occult.tasks.calibrate`), so that the cost model can be checked against
 this run with a calibration taken under the same load.
 
 Shapes: T tokens per rank, D hidden, F expert FFN, E experts, K top-k.
