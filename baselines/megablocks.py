@@ -66,8 +66,8 @@ def block_padded_rows(counts_e: torch.Tensor, block_size: int) -> tuple[torch.Te
     """
     padded_e = (counts_e + block_size - 1) // block_size * block_size
     shift_e = (torch.cumsum(padded_e, 0) - padded_e) - (torch.cumsum(counts_e, 0) - counts_e)
-    expert_R = torch.repeat_interleave(torch.arange(counts_e.numel()), counts_e)
-    return torch.arange(expert_R.numel()) + shift_e[expert_R], padded_e
+    expert_R = torch.repeat_interleave(torch.arange(counts_e.numel(), device=counts_e.device), counts_e)
+    return torch.arange(expert_R.numel(), device=counts_e.device) + shift_e[expert_R], padded_e
 
 
 class MegaBlocksDispatcher(NaiveDispatcher):

@@ -87,6 +87,10 @@ class SystemConfig:
                 f"(cluster); system '{self.name}' needs equal expert groups. "
                 f"Allowed world sizes: {divisors(num_experts)}")
 
+    def check_task(self, task: str) -> None:
+        """Raises ``ValueError`` (one line) when this system cannot run ``task`` with these
+        options (e.g. a file that only some tasks make for it)."""
+
     def is_exact(self) -> bool:
         """Whether the system with these options returns exactly top-k MoE (False for
         schemes that drop tokens or change the routing)."""
@@ -100,7 +104,7 @@ class SystemConfig:
     def build(self, ep: EPGroup, layer: int, num_experts: int, placement: Optional[Placement] = None):
         """This rank's system for MoE layer ``layer``: a dispatcher with the layer's
         placement (``placement`` overrides it), or None for a system without one."""
-        placement = placement or self.layer_placement(layer, num_experts, ep.world_size)
+        placement = (placement or self.layer_placement(layer, num_experts, ep.world_size)).to(ep.device)
         return self.system_class()(ep, placement, self)
 
 
