@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-all test-triton bench venv clean
+.PHONY: run test test-all test-triton bench gpu-check venv clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,13 @@ test-triton: $(STAMP)
 # Benchmarks: ratios between systems measured in the same run.
 bench: $(STAMP)
 	$(PY) run.py experiment=bench
+
+# Everything that needs a GPU, on one GPU (about 8 minutes on an H200): one results file
+# under runs/gpu_check/ (Triton kernels, MegaBlocks' dMoE, a one-rank NCCL world, GEMM and
+# memory throughput, a measured projection profile). Needs CUDA and the GPU extras.
+gpu-check: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[gpu]'
+	$(PY) -m occult.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -44,7 +44,7 @@ def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
     config = system_config(cfg.system)
     world = job_world()
     return {"run_id": f"{cfg.experiment_name}/{config.name}/{m.name}/{t.name}/{c.name}/{digest}",
-            "experiment": cfg.experiment_name, "label": cfg.label, "system": config.name, "impl": config.impl,
+            "experiment": cfg.experiment_name, "label": cfg.label, "system": config.name, "impl": config.impl_for(c.world_size),
             "system_options": config.options_json(), "model": m.name,
             "init": cfg_dict.get("checkpoint") or "random", "task": t.name, "cluster": c.name,
             "world_size": c.world_size, "num_experts": m.num_experts, "top_k": m.top_k,

@@ -95,3 +95,22 @@ def test_the_meta_world_catches_a_tensor_made_without_its_device():
         assert "helpers.py" in str(err)            # raised where the defect is used
     else:
         assert max(r0[0]["errors"].values()) > 1e-3
+
+
+@pytest.mark.timeout(300)
+def test_whole_model_tasks_run_in_bfloat16(tmp_path):
+    """model.dtype=bfloat16 (what a GPU run uses) runs prefill and train; the parity gate stays float64."""
+    import subprocess
+    import sys
+
+    import pandas as pd
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "run.py", "-m", "system=occult", "model=olmoe_proxy", "task=prefill,train",
+                           "cluster=cpu2", "model.dtype=bfloat16", *TINY, f"hydra.sweep.dir={tmp_path}"],
+                          cwd=root, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    frames = [pd.read_parquet(p) for p in tmp_path.rglob("results.parquet")]
+    assert sorted(df.task.iloc[0] for df in frames) == ["prefill", "train"]
+    for df in frames:
+        assert (df[df.metric == "parity_checked"].value == 1).all()
+        assert (df[df.metric.str.startswith("parity_") & (df.metric != "parity_checked")].value <= 1e-9).all()

@@ -69,6 +69,11 @@ class SystemConfig:
         """``harness`` or ``library``: who runs the scheme (the ``impl`` column)."""
         return self.system_class().impl
 
+    def impl_for(self, world_size: int) -> str:
+        """Who runs the scheme in a run of ``world_size`` ranks (a system that uses a library
+        only where it can says so here)."""
+        return self.impl
+
     def options(self) -> dict:
         """Every option but ``name`` and ``_target_``."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
