@@ -192,16 +192,20 @@ def swiglu_flops(rows: float, hidden: int, ffn: int, backward: bool = False) -> 
 
 
 def expert_seconds(rows_P, hidden: int, ffn: int, link: Link, backward: bool = False,
-                   local_experts: int = 0, element_bytes: int = 2) -> float:
+                   local_experts: int = 0, element_bytes: int = 2, calls: int = 1) -> float:
     """Projected expert time: the busiest rank's FLOPs over the device's achieved throughput
     or, when the profile gives a memory bandwidth, the bytes its experts read and write
     over it if that takes longer (a roofline: few rows per expert are memory-bound); plus
-    the profile's per-expert overhead for each of the ``local_experts`` (x2 backward)."""
+    the profile's per-expert overhead for each of the ``local_experts`` (x2 backward).
+    ``calls``: layer calls the rows came in (decode steps); each call reads the weights of
+    at most min(local experts, rows per call) experts (an upper bound: every expert that
+    could have been hit is read)."""
     rows_P = np.asarray(rows_P, dtype=float)
     rows = float(rows_P.max()) if rows_P.size else 0.0
     passes = 2 if backward else 1
     compute_s = swiglu_flops(rows, hidden, ffn, backward) / link.flops
-    moved = passes * (local_experts * 3 * hidden * ffn + rows * (2 * hidden + 3 * ffn)) * element_bytes
+    active = min(float(local_experts), rows / max(calls, 1))
+    moved = passes * (calls * active * 3 * hidden * ffn + rows * (2 * hidden + 3 * ffn)) * element_bytes
     return max(compute_s, moved / link.memory_Bps) + passes * local_experts * link.expert_call_s
 
 
@@ -245,14 +249,21 @@ def _collectives(run: pd.DataFrame) -> pd.DataFrame:
     first = timed[timed["sample"] == timed["sample"].min()] if not timed.empty else timed
     calls = first[first["rank"] == first["rank"].min()].groupby(["layer", "phase", "pass"]).size() \
         if not first.empty else pd.Series(dtype=int)
+    meta = run[run.metric == "meta_bytes"]
     out = []
     for (layer, phase, direction), g in b.groupby(["layer", "phase", "pass"]):
-        mat = np.zeros((P, P))
-        np.add.at(mat, (g.src_rank.to_numpy(int), g.dst_rank.to_numpy(int)), g.value.to_numpy(float))
         rows = r[(r.layer == layer) & (r.phase == phase) & (r["pass"] == direction)].value.sum()
-        out.append({"layer": layer, "phase": phase, "direction": direction, "bytes_PP": mat, "rows": rows,
-                    "calls": int(calls.get((layer, phase, direction), 1))})
+        m = meta[(meta.layer == layer) & (meta.phase == phase) & (meta["pass"] == direction)]
+        out.append({"layer": layer, "phase": phase, "direction": direction, "bytes_PP": _peer_matrix(g, P),
+                    "meta_PP": _peer_matrix(m, P), "rows": rows, "calls": int(calls.get((layer, phase, direction), 1))})
     return pd.DataFrame(out)
+
+
+def _peer_matrix(g: pd.DataFrame, P: int) -> np.ndarray:
+    """[P, P] sum of ``value`` by (src_rank, dst_rank)."""
+    mat = np.zeros((P, P))
+    np.add.at(mat, (g.src_rank.to_numpy(int), g.dst_rank.to_numpy(int)), g.value.to_numpy(float))
+    return mat
 
 
 def _row_bytes_of_hidden(run: pd.DataFrame, coll: pd.DataFrame) -> Optional[float]:
@@ -262,7 +273,7 @@ def _row_bytes_of_hidden(run: pd.DataFrame, coll: pd.DataFrame) -> Optional[floa
     total_rows = disp.rows.sum()
     if total_rows == 0:
         return None
-    per_row = sum(m.sum() for m in disp.bytes_PP) / total_rows
+    per_row = sum(m.sum() - meta.sum() for m, meta in zip(disp.bytes_PP, disp.meta_PP)) / total_rows
     return per_row if per_row % D == 0 else None
 
 
@@ -300,8 +311,10 @@ def project_run(run: pd.DataFrame, profile: Profile, target: Optional[Target] = 
     out = []
     for c in coll.itertuples():
         mat = c.bytes_PP
-        if target is not None and hidden_row and c.rows and np.isclose(mat.sum() / c.rows, hidden_row):
-            mat = mat / hidden_row * D * profile.element_bytes
+        hidden_PP = mat - c.meta_PP          # metadata riding with the rows keeps its element count
+        if target is not None and hidden_row and c.rows and np.isclose(hidden_PP.sum() / c.rows, hidden_row):
+            run_element = hidden_row / D_run
+            mat = hidden_PP / hidden_row * D * profile.element_bytes + c.meta_PP / run_element * profile.element_bytes
         out.append({"layer": c.layer, "component": f"a2a:{c.phase}", "pass": c.direction,
                     "ms": a2a_seconds(mat, link, c.calls) * 1e3})
     backward = bool((run["pass"] == "backward").any())
@@ -309,13 +322,12 @@ def project_run(run: pd.DataFrame, profile: Profile, target: Optional[Target] = 
     for layer in layers:
         rows_P = _expert_rows(run, layer)
         e = int(run.num_experts.iloc[0]) // P
-        out.append({"layer": layer, "component": "experts", "pass": "forward",
-                    "ms": expert_seconds(rows_P, D, F, link, local_experts=e,
-                                         element_bytes=profile.element_bytes) * 1e3})
-        if backward:
-            out.append({"layer": layer, "component": "experts", "pass": "backward",
-                        "ms": expert_seconds(rows_P, D, F, link, backward=True, local_experts=e,
-                                             element_bytes=profile.element_bytes) * 1e3})
+        disp = coll[(coll.layer == layer) & (coll.phase == "dispatch") & (coll.direction == "forward")]
+        calls = int(disp.calls.max()) if not disp.empty else 1
+        for direction in ("forward", "backward") if backward else ("forward",):
+            out.append({"layer": layer, "component": "experts", "pass": direction,
+                        "ms": expert_seconds(rows_P, D, F, link, backward=direction == "backward", local_experts=e,
+                                             element_bytes=profile.element_bytes, calls=calls) * 1e3})
     per_layer = pd.DataFrame(out)
     n_layers = target.moe_layers if target and target.moe_layers else len(layers)
     mean_layer = per_layer.groupby("layer").ms.sum().mean() if not per_layer.empty else 0.0
@@ -328,21 +340,56 @@ def project_run(run: pd.DataFrame, profile: Profile, target: Optional[Target] = 
     return per_layer
 
 
-def project_runs(df: pd.DataFrame, profile: Profile, target=None) -> pd.DataFrame:
+def project_single_device(run: pd.DataFrame, profile: Profile, target: Optional[Target] = None) -> pd.DataFrame:
+    """A whole-model run without expert parallelism (every device holds all E experts and
+    exchanges nothing in its MoE layers, the reference): its MoE layers' expert time on the
+    profile, from the run's tokens per rank (batch x sequence, and for decode the prompt
+    plus the generated tokens in 1 + N calls) x K rows. Rows as :func:`project_run`'s."""
+    P, K, E = int(run.world_size.iloc[0]), int(run.top_k.iloc[0]), int(run.num_experts.iloc[0])
+    link = profile.at(P)
+    D, F = (target.hidden_size, target.expert_ffn_size) if target else \
+        (int(run.hidden_size.iloc[0]), int(run.expert_ffn_size.iloc[0]))
+    B, S, task = int(run.batch_size.iloc[0]), int(run.seq_len.iloc[0]), str(run.task.iloc[0])
+    tokens, calls = B * S, 1
+    if task == "decode":
+        steps = run[(run.metric == "token_latency") & (run["rank"] == -1)]
+        iters = max(int(((run.metric == "ttft") & (run["rank"] == -1)).sum()), 1)
+        new_tokens = len(steps) // iters
+        tokens, calls = B * (S + new_tokens), 1 + new_tokens
+    rows_P = np.full(P, float(tokens * K))
+    out = [{"layer": 0, "component": "experts", "pass": direction,
+            "ms": expert_seconds(rows_P, D, F, link, backward=direction == "backward", local_experts=E,
+                                 element_bytes=profile.element_bytes, calls=calls) * 1e3}
+           for direction in (("forward", "backward") if task == "train" else ("forward",))]
+    n_layers = target.moe_layers if target and target.moe_layers else 1
+    per_layer = pd.DataFrame(out)
+    per_layer = pd.concat([per_layer, pd.DataFrame([{"layer": -1, "component": "moe", "pass": "all",
+                                                     "ms": per_layer.ms.sum() * n_layers}])], ignore_index=True)
+    per_layer["source"] = PROJECTED
+    per_layer["profile"] = profile.name
+    per_layer["target_model"] = target.name if target else str(run.model.iloc[0])
+    per_layer["target_moe_layers"] = n_layers
+    return per_layer
+
+
+def project_runs(df: pd.DataFrame, profile: Profile, target=None, single_device: bool = False) -> pd.DataFrame:
     """:func:`project_run` over every run in ``df`` whose world size the profile covers.
 
     ``target``: None (each run's own model), a :class:`Target`, or ``"real"`` (the
-    paper model each proxy stands for). Adds the run's context columns.
+    paper model each proxy stands for). ``single_device``: also project whole-model runs
+    that exchange nothing (:func:`project_single_device`); otherwise they are left out.
+    Adds the run's context columns.
     """
     from .summary import RUN_KEYS, SYSTEM_KEYS
     frames = []
     for run_dir, run in df.groupby("run_dir"):
         P = int(run.world_size.iloc[0])
         covered = P in profile.calibration if profile.calibration else P == profile.world_size
-        if not covered or not (run.metric == "bytes").any():
+        exchanges = (run.metric == "bytes").any()
+        if not covered or not (exchanges or single_device):
             continue
         tgt = target_model(real_model_of(str(run.model.iloc[0]))) if target == "real" else target
-        proj = project_run(run, profile, tgt)
+        proj = project_run(run, profile, tgt) if exchanges else project_single_device(run, profile, tgt)
         for key in RUN_KEYS + SYSTEM_KEYS:
             proj[key] = run[key].iloc[0]
         proj["run_dir"] = run_dir

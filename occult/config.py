@@ -75,8 +75,10 @@ class TaskConf:
     lr: float = 1e-3                    # train / finetune
     steps: int = 0                      # finetune
     save_routing: bool = False          # write routing.parquet (+ router logits) per run
-    # task=bench: the systems compared in one world (conf/system names; the first is the baseline)
+    # task=bench / bench_model: the systems compared in one world (conf/system names; the first
+    # is the baseline), and the whole-model task bench_model times (prefill | decode | train)
     compare: List[str] = field(default_factory=list)
+    workload: str = ""
 
 
 @dataclass
@@ -103,6 +105,9 @@ class ClusterConf:
     world_size: int = MISSING           # P
     backend: str = "gloo"               # gloo (CPU) | nccl (GPU, under torchrun)
     threads_per_rank: int = 0           # 0: cores // world_size
+    # CPU ranks keep freed memory for reuse and use huge pages, as a GPU's caching allocator
+    # does (occult.dist.HOST_MEMORY_CACHE); false: the C library's defaults
+    host_memory_cache: bool = True
     run_timeout_s: float = 3600.0       # whole run
     collective_timeout_s: float = 300.0
 

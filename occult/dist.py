@@ -174,6 +174,15 @@ def broadcast_from_rank0(obj):
     return box[0]
 
 
+# Environment of spawned CPU ranks that makes freed host memory reusable: glibc keeps large
+# freed blocks in its heap (no munmap / trim) and torch allocates large tensors on
+# transparent huge pages. Measured here: gathering 16k x 2048 float32 rows into a fresh
+# tensor took 87 ms with the defaults (page faults of new memory) and 14-16 ms with these,
+# the same as into a reused buffer. A GPU's caching allocator does the same for CUDA ranks.
+HOST_MEMORY_CACHE = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(64 << 30),
+                     "MALLOC_TOP_PAD_": str(1 << 30), "THP_MEM_ALLOC_ENABLE": "1"}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -221,7 +230,8 @@ def _worker(rank, world_size, port, backend, timeout_s, threads, seed, default_d
 
 def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: int = 0,
            timeout_s: float = 600.0, collective_timeout_s: float = 120.0, threads: int = 0,
-           backend: str = "gloo", default_device: Optional[str] = None) -> list:
+           backend: str = "gloo", default_device: Optional[str] = None,
+           host_memory_cache: bool = True) -> list:
     """Runs ``fn(ctx, *args)`` on ``world_size`` ranks; returns the results in rank order.
 
     In a launcher's world (torchrun, a submitit job) the current process is one rank: the
@@ -230,6 +240,8 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: i
     on GPU r). ``fn`` and ``args`` must be picklable (``fn`` defined at module level).
     ``default_device``: torch's default device inside the ranks (tests set ``"meta"``,
     so that a tensor made without the device of its inputs cannot mix with them).
+    ``host_memory_cache``: spawned ranks start with :data:`HOST_MEMORY_CACHE` (variables
+    the caller already set are kept); a launcher's world keeps the environment it has.
     """
     world = job_world()
     if world is not None:
@@ -245,8 +257,14 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: i
                          args=(r, world_size, port, backend, collective_timeout_s, threads, seed, default_device,
                                fn, args, results, errors))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    added = {k: v for k, v in HOST_MEMORY_CACHE.items() if k not in os.environ} if host_memory_cache else {}
+    os.environ.update(added)                 # the children read them when they start
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
     try:
         return _supervise(procs, results, errors, timeout_s)
     finally:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from occult.collab.brim import build_brim0, build_brim1, local_expert_weights
+from occult.collab.brim import build_brim0, build_brim1, local_expert_weights, uses_of
 from occult.dist import launch
 from occult.ep import Placement
 from occult.parity import LayerCase, run_grid
@@ -20,9 +20,11 @@ def test_brim0_by_hand():
     assert b0.token_R.tolist() == [0, 1, 1, 2] and b0.device_R.tolist() == [0, 0, 1, 1]
     assert b0.send_P.tolist() == [2, 2]
     w = torch.tensor([[0.5, 0.25], [0.6, 0.3], [0.7, 0.2]])
-    w_Re, uses_Re = local_expert_weights(ids, w, pl, b0)
-    assert torch.allclose(w_Re, torch.tensor([[0.5, 0.25], [0.6, 0.0], [0.3, 0.0], [0.2, 0.7]]))
-    assert uses_Re.tolist() == [[True, True], [True, False], [True, False], [True, True]]
+    w_Re = local_expert_weights(ids, w, pl, b0)            # -1: the row does not use that expert
+    assert torch.allclose(w_Re, torch.tensor([[0.5, 0.25], [0.6, -1.0], [0.3, -1.0], [0.2, 0.7]]))
+    assert uses_of(w_Re).tolist() == [[True, True], [True, False], [True, False], [True, True]]
+    w0 = torch.tensor([[0.0, 0.25], [0.6, 0.3], [0.7, 0.2]])   # a gate weight of exactly 0 is still used
+    assert uses_of(local_expert_weights(ids, w0, pl, b0))[0].tolist() == [True, True]
 
 
 def test_brim1_by_hand():
@@ -71,3 +73,12 @@ def test_rows_per_token_equal_ct_all_in_every_phase_and_pass():
                     assert o["sent_rows"][key] == n["sent_rows"][key], (case, key)
         for r in occ + nai:
             assert all(v <= 1e-9 for v in r["errors"].values()), (case, r["errors"])
+        # no more collectives per layer than naive EP, in each pass (from the recorded phases)
+        for o, n in zip(occ, nai):
+            for direction in ("forward", "backward"):
+                count = lambda res: sum(ev.direction == direction for ev in res["comm"])
+                assert count(o) <= count(n), (case, direction, [ev.phase for ev in o["comm"]])
+            # the gate weights ride with the dispatched rows and are counted as metadata
+            ev = next(ev for ev in o["comm"] if ev.phase == "dispatch" and ev.direction == "forward")
+            e = case.num_experts // 4
+            assert ev.row_bytes == (case.hidden + e) * 8 and ev.meta_row_bytes == e * 8

@@ -14,6 +14,11 @@ BRIM_1 [e, R]: for local expert s and received SFD row r, the position of the
 pair (r, s) in EPD order, or -1 when row r does not use expert s. EPD is
 ordered by (local expert, row), so each expert's rows are contiguous.
 
+Each SFD row travels with the gate weights of its destination's e local experts
+(:func:`local_expert_weights`; -1 for an expert the row does not use), appended to the
+row's D values: one all-to-all carries both, and the receiver reads BRIM_1's mask from
+the weights (:func:`uses_of`).
+
 Both are built with tensor operations only (no Python loop over tokens or rows).
 """
 from __future__ import annotations
@@ -70,15 +75,24 @@ def build_brim1(uses_Re: torch.Tensor) -> Brim1:
     return Brim1(index_eR, row_Q, slot_Q, hit_eR.sum(1))
 
 
+# the gate-weight slot of a local expert that an SFD row does not use (gate weights are >= 0)
+UNUSED = -1.0
+
+
 def local_expert_weights(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, placement: Placement,
-                         brim0: Brim0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per SFD row, the gate weight of each local expert of its destination (0 where unused)
-    and the mask of used local experts: ``(weights_Re, uses_Re)``. Differentiable in the weights."""
+                         brim0: Brim0) -> torch.Tensor:
+    """Per SFD row, the gate weight of each local expert of its destination, and
+    :data:`UNUSED` (-1) where the row does not use that expert: ``weights_Re`` [R, e], in
+    the weights' dtype, differentiable in the weights. Built from the (token, k) pairs
+    through BRIM_0 (no dense [T, P, e] tensor)."""
     T, K = topk_ids_TK.shape
-    P, e = placement.num_devices, placement.num_local
     dev_TK, slot_TK = placement.device_E[topk_ids_TK], placement.slot_E[topk_ids_TK]
     tok_TK = torch.arange(T, device=topk_ids_TK.device).unsqueeze(1).expand(T, K)
-    w_TPe = topk_weights_TK.new_zeros(T, P, e).index_put((tok_TK, dev_TK, slot_TK), topk_weights_TK)
-    uses_TPe = torch.zeros(T, P, e, dtype=torch.bool, device=topk_ids_TK.device)
-    uses_TPe[tok_TK, dev_TK, slot_TK] = True
-    return w_TPe[brim0.token_R, brim0.device_R], uses_TPe[brim0.token_R, brim0.device_R]
+    row_TK = brim0.index_PT[dev_TK, tok_TK]                      # each pair's SFD row
+    w_Re = topk_weights_TK.new_full((brim0.token_R.numel(), placement.num_local), UNUSED)
+    return w_Re.index_put((row_TK.flatten(), slot_TK.flatten()), topk_weights_TK.flatten())
+
+
+def uses_of(weights_Re: torch.Tensor) -> torch.Tensor:
+    """Which local experts each received SFD row uses (bool [R, e]), from its weights."""
+    return weights_Re.detach() >= 0

@@ -2,17 +2,23 @@
 (token, destination device).
 
 Forward (Occult, Fig. 4):
-  sender    route -> BRIM_0 -> ORI to SFD (one copy per destination device, with
-            the gate weights of that device's local experts beside it)
-  exchange  all-to-all of SFD rows (+ the local-expert masks)
-  receiver  BRIM_1 -> SFD to EPD -> grouped experts (shared code) ->
-            merge EPD to SFD: weight by the gate weights and sum the rows of
-            the same token (intra-device pre-aggregation)
-  exchange  all-to-all of the merged SFD rows back
+  sender    route -> BRIM_0 -> ORI to SFD (one copy per destination device; after
+            its D values, the gate weights of that device's e local experts, -1 for
+            one it does not use)
+  exchange  one all-to-all of SFD rows [R, D + e] (the split sizes come from the
+            counts exchange that every variable-split system makes first)
+  receiver  BRIM_1 from the weights -> SFD to EPD -> grouped experts, each row's
+            gate weight scaling its expert's hidden row -> merge EPD to SFD: sum
+            the rows of the same token (intra-device pre-aggregation)
+  exchange  all-to-all of the merged SFD rows back [R, D]
   sender    SFD to ORI: sum each token's rows (by BRIM_0)
 
-Autograd flows through the index operations; the backward all-to-alls
-(:mod:`occult.ep.comm`) move the same deduplicated rows as the forward ones.
+So Occult makes as many collectives per layer as naive EP, forward (counts,
+dispatch, combine) and backward (dispatch, combine); its dispatch rows carry e
+metadata values, logged as such (``meta_bytes``), which the cost model keeps at
+their size when it re-sizes hidden rows to a real model's width. Autograd flows
+through the index operations; the backward all-to-alls (:mod:`occult.ep.comm`)
+move the same deduplicated rows as the forward ones.
 
 Shapes: T tokens, K top-k, D hidden, P ranks, e local experts, R SFD rows,
 Q EPD rows.
@@ -28,7 +34,7 @@ from ..ep import Exchange, Recorder, SplitDispatcher, SystemConfig, all_to_all_r
 from ..ep.accounting import span
 from ..ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
 from ..kernels import triton_available, use_triton
-from .brim import Brim0, Brim1, build_brim0, build_brim1, local_expert_weights
+from .brim import Brim0, Brim1, build_brim0, build_brim1, local_expert_weights, uses_of
 from .experts import GatheredRows, occult_experts
 
 
@@ -74,46 +80,62 @@ class OccultDispatcher(SplitDispatcher):
                              "interpreter, TRITON_INTERPRET=1); use kernels=auto or torch on a CPU")
         return kernels != "torch" and use_triton(x_TD)
 
-    def run_experts(self, experts, routed_QD, counts_e):
-        """Occult's own experts step (:func:`occult.collab.experts.occult_experts`)."""
-        return occult_experts(experts, routed_QD, counts_e)
+    def run_experts(self, experts, routed_QD, counts_e, handle: "OccultHandle"):
+        """Occult's own experts step (:func:`occult.collab.experts.occult_experts`): on the
+        PyTorch path each EPD row's gate weight scales its expert's F-wide hidden row (the
+        merge is then a plain sum); the fused path weights in its merge kernel."""
+        return occult_experts(experts, routed_QD, counts_e, None if handle.fused else handle.weight_Q)
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         rec = recorder
+        D, e = x_TD.shape[1], self.placement.num_local
         with span(rec, layer, "occult_index"):
             brim0 = build_brim0(topk_ids_TK, self.placement)
-            w_Re, uses_Re = local_expert_weights(topk_ids_TK, topk_weights_TK, self.placement, brim0)
-            # ORI -> SFD: one copy per destination device; beside it, per local expert of that
-            # device, the gate weight and a use mask (1/0) in one small [R, 2e] tensor
-            sfd_RD = gather_rows(x_TD, brim0.token_R)
-            meta_RX = torch.cat([w_Re.to(x_TD.dtype), uses_Re.to(x_TD.dtype)], dim=1)
+            w_Re = local_expert_weights(topk_ids_TK, topk_weights_TK.to(x_TD.dtype), self.placement, brim0)
+            # ORI -> SFD: one copy per destination device, and after its D values the gate
+            # weights of that device's e local experts (-1: not used): one row, one all-to-all
+            sfd_RX = pack_rows(x_TD, brim0.token_R, w_Re)
         # device-to-host sync: split sizes must be Python ints for the collective
         send_P = brim0.send_P.tolist()
         recv_P = exchange_counts(brim0.send_P.view(-1, 1), self.ep, Exchange(layer, "counts", rec)).flatten().tolist()
-        recv_RD = all_to_all_rows(sfd_RD, send_P, recv_P, self.ep, Exchange(layer, "dispatch", rec))
-        meta_recv_RX = all_to_all_rows(meta_RX, send_P, recv_P, self.ep, Exchange(layer, "dispatch_meta", rec))
+        recv_RX = all_to_all_rows(sfd_RX, send_P, recv_P, self.ep, Exchange(layer, "dispatch", rec, meta_cols=e))
         with span(rec, layer, "occult_index"):
-            e = self.placement.num_local
-            brim1 = build_brim1(meta_recv_RX[:, e:].detach() > 0.5)
+            recv_RD, w_recv_Re = recv_RX[:, :D], recv_RX[:, D:]
+            brim1 = build_brim1(uses_of(w_recv_Re))
             # SFD -> EPD: one row per (token, local expert), grouped by expert; the fused
             # path hands the experts the received rows and BRIM_1's row index instead
             fused = self._fused(x_TD)
             routed_QD = GatheredRows(recv_RD, brim1.row_Q) if fused else gather_rows(recv_RD, brim1.row_Q)
-            weight_Q = meta_recv_RX[brim1.row_Q, brim1.slot_Q]
+            weight_Q = w_recv_Re[brim1.row_Q, brim1.slot_Q]
         handle = OccultHandle(brim0, brim1, weight_Q, send_P, recv_P, x_TD.shape[0], layer, rec, fused)
         return routed_QD, brim1.counts_e, handle
 
     def combine(self, y_QD, handle: OccultHandle):
         rec, layer = handle.recorder, handle.layer
+        R = sum(handle.recv_P)
         with span(rec, layer, "occult_merge"):
-            # EPD -> SFD on the receiver: gate-weight and pre-aggregate rows of the same token
-            kernel = None
+            # EPD -> SFD on the receiver: the rows of the same token summed (intra-device
+            # pre-aggregation); gate weights were applied in the experts step, or here by
+            # the fused path's kernel
             if handle.fused:
-                from ..kernels.fused import triton_weighted_scatter_add as kernel
-            merged_RD = weighted_scatter_add(sum(handle.recv_P), handle.brim1.row_Q, y_QD, handle.weight_Q,
-                                             kernel)
+                from ..kernels.fused import triton_weighted_scatter_add
+                merged_RD = weighted_scatter_add(R, handle.brim1.row_Q, y_QD, handle.weight_Q,
+                                                 triton_weighted_scatter_add)
+            else:
+                merged_RD = scatter_add_rows(R, handle.brim1.row_Q, y_QD)
         back_RD = all_to_all_rows(merged_RD, handle.recv_P, handle.send_P, self.ep,
                                   Exchange(layer, "combine", rec))
         with span(rec, layer, "occult_merge"):
             # SFD -> ORI at home: sum the copies of each token
             return scatter_add_rows(handle.num_tokens, handle.brim0.token_R, back_RD)
+
+
+def pack_rows(x_TD: torch.Tensor, token_R: torch.Tensor, meta_RX: torch.Tensor) -> torch.Tensor:
+    """The SFD send buffer: row r is ``x_TD[token_R[r]]`` followed by ``meta_RX[r]``:
+    [T, D], [R], [R, X] -> [R, D + X], differentiable in both (one gather of the widened
+    tokens, then the metadata written into the new columns)."""
+    X = meta_RX.shape[1]
+    wide_TDX = torch.cat([x_TD, x_TD.new_zeros(x_TD.shape[0], X)], dim=1)
+    out_RDX = gather_rows(wide_TDX, token_R)
+    out_RDX[:, x_TD.shape[1]:] = meta_RX
+    return out_RDX

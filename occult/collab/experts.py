@@ -7,6 +7,7 @@ Shapes: R received SFD rows, Q EPD rows (grouped by local expert), D hidden, e l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -26,12 +27,14 @@ class GatheredRows:
         return gather_rows(self.source_RD, self.index_Q)
 
 
-def occult_experts(experts: nn.Module, routed, counts_e: torch.Tensor) -> torch.Tensor:
+def occult_experts(experts: nn.Module, routed, counts_e: torch.Tensor,
+                   weight_Q: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The rank's experts (:class:`occult.ep.GroupedExperts`) on Occult's EPD rows: [Q, D].
-    ``routed`` is the EPD tensor, or :class:`GatheredRows` (the fused path: the Triton
+    ``routed`` is the EPD tensor (``weight_Q``: each row's gate weight, applied to its
+    hidden row), or :class:`GatheredRows` (the fused path, unweighted: the Triton
     gather-fused grouped matmul when it can run on these tensors, else gathered first)."""
     if not isinstance(routed, GatheredRows):
-        return experts(routed, counts_e)
+        return experts(routed, counts_e, weight_Q)
     from ..kernels import use_triton
     if use_triton(routed.source_RD):
         from ..kernels.fused import gathered_swiglu

@@ -29,11 +29,14 @@ class EPGroup:
 
 @dataclass(frozen=True)
 class Exchange:
-    """Where a collective is logged: layer, phase name and recorder (may be None)."""
+    """Where a collective is logged: layer, phase name and recorder (may be None);
+    ``meta_cols``: trailing values of each row that are metadata (e.g. gate weights
+    riding with a hidden state), logged apart as ``meta_bytes``."""
 
     layer: int
     phase: str
     recorder: Optional[Recorder]
+    meta_cols: int = 0
 
 
 def _exchange(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where: Exchange,
@@ -51,7 +54,8 @@ def _exchange(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where
     if rec is not None:
         row_bytes = int(torch.Size(x_RD.shape[1:]).numel() * x_RD.element_size())
         rec.log_collective(layer=where.layer, phase=where.phase, direction=direction, rows_P=send_P,
-                           row_bytes=row_bytes, seconds=clock() - t0, wait_seconds=wait)
+                           row_bytes=row_bytes, seconds=clock() - t0, wait_seconds=wait,
+                           meta_row_bytes=where.meta_cols * x_RD.element_size())
     return out
 
 

@@ -9,7 +9,7 @@ received, e local experts.
 * A **split dispatcher** (:class:`SplitDispatcher`, most systems) implements it as
 
       routed_RD, counts_e, handle = dispatch(x_TD, topk_ids_TK, topk_weights_TK, ...)
-      y_RD = run_experts(experts, routed_RD, counts_e)     # the shared grouped experts
+      y_RD = run_experts(experts, routed_RD, counts_e, handle)   # the shared grouped experts
       out_TD = combine(y_RD, handle)
 
   ``routed_RD`` is grouped by local expert (the first ``counts_e[0]`` rows go to local
@@ -92,9 +92,10 @@ class SplitDispatcher(Dispatcher):
         """Counters of one dispatch (e.g. dropped pairs, padding rows): name -> number."""
         return {}
 
-    def run_experts(self, experts: nn.Module, routed_RD: Any, counts_e: torch.Tensor) -> torch.Tensor:
+    def run_experts(self, experts: nn.Module, routed_RD: Any, counts_e: torch.Tensor, handle: Any) -> torch.Tensor:
         """This rank's experts on the routed rows: [R, D] -> [R, D] (the shared grouped
-        experts; a system may read its rows in its own way, e.g. a fused kernel)."""
+        experts; a system may read its rows in its own way, e.g. a fused kernel, or apply
+        its gate weights there, from the call's ``handle``)."""
         return experts(routed_RD, counts_e)
 
     def forward_moe(self, x_TD, topk_ids_TK, topk_weights_TK, experts, *, layer=0, recorder=None):
@@ -106,6 +107,6 @@ class SplitDispatcher(Dispatcher):
             for name, value in self.stats(handle).items():
                 rec.log_counter(layer, name, value)
         with span(rec, layer, "experts"):
-            y_RD = self.run_experts(experts, routed_RD, counts_e)
+            y_RD = self.run_experts(experts, routed_RD, counts_e, handle)
         with span(rec, layer, "combine"):
             return self.combine(y_RD, handle)

@@ -31,12 +31,12 @@ def base_model(cfg, vocab_size: int, checkpoint: Optional[str] = None, device="c
     return model.to(device=device, dtype=getattr(torch, cfg.model.get("dtype", "float32")))
 
 
-def make_rank_model(ctx, model: nn.Module, cfg, placements: Optional[dict] = None) -> nn.Module:
-    """Turns the full model into this rank's model for ``cfg.system`` (in place): each MoE
-    block becomes an expert-parallel block with the system built for its layer
-    (``placements``: {layer: Placement} overriding the system's); a system that builds no
-    dispatcher (the reference) leaves the model as it is."""
-    config = system_config(cfg.system)
+def make_rank_model(ctx, model: nn.Module, cfg, placements: Optional[dict] = None, system=None) -> nn.Module:
+    """Turns the full model into this rank's model for ``system`` (default ``cfg.system``;
+    in place): each MoE block becomes an expert-parallel block with the system built for
+    its layer (``placements``: {layer: Placement} overriding the system's); a system that
+    builds no dispatcher (the reference) leaves the model as it is."""
+    config = system_config(cfg.system if system is None else system)
     if not config.expert_parallel:
         return model
     E = cfg.model.num_experts

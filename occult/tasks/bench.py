@@ -1,25 +1,33 @@
-"""task=bench: systems side by side in one world, same weights, same routing, same tokens.
+"""task=bench and task=bench_model: systems side by side in one world, same weights, same
+routing, same tokens.
 
-    python run.py experiment=bench                     # (make bench) naive vs occult, two layer shapes
+    python run.py experiment=bench                     # (make bench) naive vs occult, layers and models
     python run.py experiment=bench model=bench_comm task.iters=3 task.compare=[naive,occult,megablocks]
 
-One MoE layer (``model``'s E, K, D, F; ``task.tokens_per_rank`` tokens per rank,
-``task.routing``) for each system named in ``task.compare`` (conf/system names; the
-first is the baseline of the ratios). Every system is first checked against the
-single-device reference; then the systems' iterations alternate, so that machine noise
-hits them alike. Each system's rows carry its own ``system``, ``impl``,
-``system_options`` and ``run_id``; :func:`analysis.bench.bench_report` turns them into
-ratios (remote bytes, all-to-all time per phase and pass, layer time forward and
-forward+backward, the share of layer time in a system's own index work) and the
-activation memory each keeps for backward.
+``task=bench`` (:func:`run_rank`): one MoE layer (``model``'s E, K, D, F;
+``task.tokens_per_rank`` tokens per rank, ``task.routing``) for each system named in
+``task.compare`` (conf/system names; the first is the baseline of the ratios).
+``task=bench_model`` (:func:`model_rank`): a whole model (a trained proxy) on
+``task.workload`` (prefill, decode or train, the tasks' own iterations,
+:mod:`occult.tasks.model`), one rank model per system from the same weights. Every
+system is first checked against the single-device reference; then the systems'
+iterations alternate, so that machine noise hits them alike. After the timed layer
+iterations, each collective a system made is replayed as a plain ``all_to_all_single``
+of the same split sizes (``raw_a2a_time``): the harness's own overhead. Each system's
+rows carry its own ``system``, ``impl``, ``system_options`` and ``run_id``;
+:func:`analysis.bench.bench_report` turns them into ratios.
 """
 from __future__ import annotations
 
+import copy
+
+import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from ..ep import Recorder, system_config
+from ..ep.measure import barrier, clock, iterations, stopwatch
 from ..errors import ConfigError
-from ..ep.measure import iterations, stopwatch
 from ..memory import saved_activation_bytes
 from ..records import row
 from .common import comm_rows, parity_gate, routing_rows
@@ -28,7 +36,8 @@ from .layer import build_layer, make_inputs, time_iteration
 
 def prepare(cfg_dict: dict) -> dict:
     """In the launching process: the typed config of every system in ``task.compare``
-    (composed from its conf/system file), checked for this run's shape."""
+    (composed from its conf/system file), checked for this run's shape; for a whole model
+    also its checkpoint (pre-training a missing proxy)."""
     from hydra import compose
     from hydra.errors import MissingConfigException
 
@@ -44,15 +53,18 @@ def prepare(cfg_dict: dict) -> dict:
         except MissingConfigException as exc:
             raise ConfigError(f"task.compare: no system {name!r}; available: {exc.options}") from exc
         config = system_config(composed.system)
-        if not config.expert_parallel:
+        if not config.expert_parallel and not cfg_dict["task"]["whole_model"]:
             raise ConfigError(f"task.compare: system {name!r} has no expert-parallel dispatcher "
-                              "(task=bench times one MoE layer)")
+                              "(task=bench times one MoE layer; task=bench_model times whole models)")
         try:
             config.check(num_experts=m["num_experts"], top_k=m["top_k"], world_size=P)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         systems.append(OmegaConf.to_container(composed.system, resolve=True))
     cfg_dict["compare_systems"] = systems
+    if cfg_dict["task"]["whole_model"]:
+        from .model import prepare as model_prepare
+        cfg_dict = model_prepare(cfg_dict)
     return cfg_dict
 
 
@@ -94,6 +106,65 @@ def run_rank(ctx, cfg_dict: dict) -> list:
     base_id = f"{first.experiment_name}/bench/{first.model.name}/{first.cluster.name}"
     out = []
     for i, config in enumerate(systems):
+        rows[i] += replay_rows(ctx, recs[i], x_TD.dtype, t.iters)
         rows[i] += comm_rows(recs[i]) + routing_rows(ctx, recs[i], layers[i].dispatcher.placement)
         out += _tagged(rows[i], config, base_id, ctx.world_size)
+    return out
+
+
+def replay_rows(ctx, rec: Recorder, dtype, reps: int) -> list:
+    """Each collective of the last iteration, replayed ``reps`` times as a plain
+    ``all_to_all_single`` of the same split sizes and row width (after a barrier, as the
+    timed collectives): ``raw_a2a_time`` rows beside the harness's ``a2a_time``."""
+    out = []
+    if ctx.world_size == 1:
+        return out
+    element = torch.empty((), dtype=dtype, device="cpu").element_size()
+    for ev in rec.comm:
+        gathered = [None] * ctx.world_size
+        dist.all_gather_object(gathered, list(ev.rows_P), group=ctx.ep.group)   # everyone's sends
+        recv_P = [gathered[src][ctx.rank] for src in range(ctx.world_size)]
+        width = max(ev.row_bytes // element, 1)
+        send = torch.zeros(sum(ev.rows_P), width, dtype=dtype, device=ctx.device)
+        recv = torch.empty(sum(recv_P), width, dtype=dtype, device=ctx.device)
+        for sample in range(reps):
+            barrier(ctx.ep)
+            t0 = clock()
+            dist.all_to_all_single(recv, send, recv_P, list(ev.rows_P), group=ctx.ep.group)
+            out.append(row("raw_a2a_time", (clock() - t0) * 1e3, "ms", layer=ev.layer, rank=ctx.rank,
+                           phase=ev.phase, direction=ev.direction, sample=sample))
+    return out
+
+
+def model_rank(ctx, cfg_dict: dict) -> list:
+    """task=bench_model on every rank: parity per system, one rank model per system from
+    the same weights, then the systems' ``task.workload`` iterations alternating."""
+    from ..data.tokenizer import get_tokenizer
+    from ..models.runtime import base_model, make_rank_model
+    from .model import WORKLOADS, _finish
+
+    cfg = OmegaConf.create(cfg_dict)
+    t, m = cfg.task, cfg.model
+    if t.workload not in WORKLOADS:
+        raise ConfigError(f"task.workload={t.workload!r}: allowed values are {sorted(WORKLOADS)}")
+    systems = [system_config(s) for s in cfg_dict["compare_systems"]]
+    tok = get_tokenizer(cfg.pretrain.tokenizer_vocab, corpus=cfg.pretrain.corpus)
+    base = base_model(cfg, m.vocab_size or tok.vocab_size, cfg.get("checkpoint"), device=ctx.device)
+    works, recs, rows = [], [], []
+    for config in systems:
+        rows.append(parity_gate(ctx, config, m.num_experts, m.top_k, "router")
+                    if t.check_parity and config.expert_parallel else [])
+        model = make_rank_model(ctx, copy.deepcopy(base), cfg, system=config)
+        works.append(WORKLOADS[t.workload](ctx, cfg, tok, model))
+        recs.append(Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives))
+    for sample in iterations(ctx.ep, t.warmup, t.iters):
+        for i, work in enumerate(works):
+            recs[i].clear()
+            barrier(ctx.ep)
+            rows[i] += work.step(recs[i], sample)
+    base_id = f"{cfg.experiment_name}/bench_model/{m.name}/{t.workload}/{cfg.cluster.name}"
+    out = []
+    quiet = OmegaConf.merge(cfg, {"task": {"save_routing": False}})
+    for i, config in enumerate(systems):
+        out += _tagged(_finish(ctx, quiet, recs[i], rows[i], works[i].model), config, base_id, ctx.world_size)
     return out

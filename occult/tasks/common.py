@@ -61,6 +61,8 @@ def comm_rows(rec: Recorder) -> list:
                           src_rank=ev.src_rank, dst_rank=dst)
             out.append(row("rows", n, "rows", **common))
             out.append(row("bytes", n * ev.row_bytes, "bytes", **common))
+            if ev.meta_row_bytes:      # of those bytes, the metadata riding with the rows
+                out.append(row("meta_bytes", n * ev.meta_row_bytes, "bytes", **common))
     return out
 
 

@@ -88,47 +88,60 @@ def _iterations(ctx, t, rec: Recorder):
     return iterations(ctx.ep, t.warmup, t.iters, before=rec.clear)
 
 
-def _serving_start(ctx, cfg_dict: dict):
-    """What prefill and decode start from: config, rank model, parity rows, this rank's
-    prompts [B, S] and a recorder."""
-    cfg = OmegaConf.create(cfg_dict)
-    model, tok, rows = setup(ctx, cfg)
-    x_BS = rank_batch(ctx, cfg, tok, cfg.task.batch_size, cfg.task.seq_len)
-    return cfg, model, rows, x_BS, Recorder(rank=ctx.rank, sync_collectives=cfg.task.sync_collectives)
+class Workload:
+    """One whole-model task's timed iteration on one rank model (the task and the benchmark
+    both run it): ``step(rec, sample)`` runs an iteration and returns its rows (none
+    during warm-up, ``sample < 0``)."""
+
+    phase = ""
+
+    def __init__(self, ctx, cfg, tok, model):
+        self.ctx, self.cfg, self.model = ctx, cfg, model
+
+    def step(self, rec: Recorder, sample: int) -> list:
+        raise TypeError(f"{type(self).__name__} runs no iteration")
 
 
-def prefill_rank(ctx, cfg_dict: dict) -> list:
+class PrefillWorkload(Workload):
     """task=prefill: one forward over B prompts of S tokens; time to first token."""
-    cfg, model, rows, x_BS, rec = _serving_start(ctx, cfg_dict)
-    t = cfg.task
-    for sample in _iterations(ctx, t, rec):
+
+    phase = "prefill"
+
+    def __init__(self, ctx, cfg, tok, model):
+        super().__init__(ctx, cfg, tok, model.eval())
+        self.x_BS = rank_batch(ctx, cfg, tok, cfg.task.batch_size, cfg.task.seq_len)
+
+    def step(self, rec, sample):
+        ctx, t = self.ctx, self.cfg.task
         t0 = clock()
         with torch.no_grad(), recording(rec):
-            logits = model(input_ids=x_BS, use_cache=False).logits
+            logits = self.model(input_ids=self.x_BS, use_cache=False).logits
             logits[:, -1].argmax(-1)
         took = clock() - t0
         worst = slowest(ctx.ep, took)
         if sample < 0:
-            continue
-        rows += timing_rows(rec, sample)
+            return []
+        rows = timing_rows(rec, sample)
         rows.append(row("time", took * 1e3, "ms", rank=ctx.rank, phase="prefill", direction="forward",
                         sample=sample))
         if ctx.rank == 0:
             rows.append(row("ttft", worst * 1e3, "ms", phase="prefill", sample=sample))
             rows.append(row("tokens_per_s", t.batch_size * t.seq_len * ctx.world_size / worst, "tokens/s",
                             phase="prefill", sample=sample))
-    return _finish(ctx, cfg, rec, rows, model)
+        return rows
 
 
-def decode_rank(ctx, cfg_dict: dict) -> list:
+class DecodeWorkload(PrefillWorkload):
     """task=decode: greedy generation of N tokens with a KV cache after a prompt."""
-    cfg, model, rows, x_BS, rec = _serving_start(ctx, cfg_dict)
-    t = cfg.task
-    for sample in _iterations(ctx, t, rec):
+
+    phase = "decode"
+
+    def step(self, rec, sample):
+        ctx, t, model = self.ctx, self.cfg.task, self.model
         steps = []
         with torch.no_grad(), recording(rec):
             t0 = clock()
-            out = model(input_ids=x_BS, use_cache=True)
+            out = model(input_ids=self.x_BS, use_cache=True)
             ttft = clock() - t0
             cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
             for _ in range(t.new_tokens):
@@ -138,8 +151,8 @@ def decode_rank(ctx, cfg_dict: dict) -> list:
                 steps.append(clock() - ts)
         worst = torch.tensor(slowest(ctx.ep, steps + [ttft]), dtype=torch.float64, device="cpu")
         if sample < 0:
-            continue
-        rows += timing_rows(rec, sample)
+            return []
+        rows = timing_rows(rec, sample)
         # one sample per generated token: sample = iteration * N + step
         rows += [row("time", s * 1e3, "ms", rank=ctx.rank, phase="decode_step", sample=sample * t.new_tokens + k)
                  for k, s in enumerate(steps)]
@@ -150,38 +163,71 @@ def decode_rank(ctx, cfg_dict: dict) -> list:
             rows.append(row("ttft", worst[-1].item() * 1e3, "ms", phase="decode", sample=sample))
             rows.append(row("tokens_per_s", t.batch_size * ctx.world_size * t.new_tokens / per_token.sum().item(),
                             "tokens/s", phase="decode", sample=sample))
-    return _finish(ctx, cfg, rec, rows, model)
+        return rows
 
 
-def train_rank(ctx, cfg_dict: dict) -> list:
+class TrainWorkload(Workload):
     """task=train: forward, backward, gradient synchronisation and an AdamW step."""
-    cfg = OmegaConf.create(cfg_dict)
-    t = cfg.task
-    model, tok, rows = setup(ctx, cfg)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr)
-    ids_N = token_ids(t.corpus, "train", tok)
-    batches = batch_iterator(ids_N, t.batch_size, t.seq_len, seed=cfg.seed * 1000 + ctx.rank)
-    rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives)
-    for sample in _iterations(ctx, t, rec):
-        x_BS, y_BS = (b.to(ctx.device) for b in next(batches))
+
+    phase = "train"
+
+    def __init__(self, ctx, cfg, tok, model):
+        super().__init__(ctx, cfg, tok, model.train())
+        t = cfg.task
+        self.opt = torch.optim.AdamW(model.parameters(), lr=t.lr)
+        ids_N = token_ids(t.corpus, "train", tok)
+        self.batches = batch_iterator(ids_N, t.batch_size, t.seq_len, seed=cfg.seed * 1000 + ctx.rank)
+
+    def step(self, rec, sample):
+        ctx, t, model = self.ctx, self.cfg.task, self.model
+        x_BS, y_BS = (b.to(ctx.device) for b in next(self.batches))
         t0 = clock()
         with recording(rec):
             logits = model(input_ids=x_BS).logits
             loss = nnf.cross_entropy(logits.flatten(0, 1), y_BS.flatten())
             loss.backward()
         sync_gradients(ctx, model)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         took = clock() - t0
         worst = slowest(ctx.ep, took)
         if sample < 0:
-            continue
-        rows += timing_rows(rec, sample)
+            return []
+        rows = timing_rows(rec, sample)
         rows.append(row("time", took * 1e3, "ms", rank=ctx.rank, phase="train_step", sample=sample))
         rows.append(row("loss", loss.item(), "nats/token", rank=ctx.rank, sample=sample))
         if ctx.rank == 0:
             rows.append(row("step_time", worst * 1e3, "ms", phase="train", sample=sample))
             rows.append(row("tokens_per_s", t.batch_size * t.seq_len * ctx.world_size / worst, "tokens/s",
                             phase="train", sample=sample))
+        return rows
+
+
+WORKLOADS = {"prefill": PrefillWorkload, "decode": DecodeWorkload, "train": TrainWorkload}
+
+
+def run_workload(ctx, cfg_dict: dict, workload: str) -> list:
+    """A whole-model task on this rank: the parity gate, the rank model, warm-up and timed
+    iterations of ``workload``, then the last iteration's collectives and routing."""
+    cfg = OmegaConf.create(cfg_dict)
+    model, tok, rows = setup(ctx, cfg)
+    work = WORKLOADS[workload](ctx, cfg, tok, model)
+    rec = Recorder(rank=ctx.rank, sync_collectives=cfg.task.sync_collectives)
+    for sample in _iterations(ctx, cfg.task, rec):
+        rows += work.step(rec, sample)
     return _finish(ctx, cfg, rec, rows, model)
+
+
+def prefill_rank(ctx, cfg_dict: dict) -> list:
+    """task=prefill: one forward over B prompts of S tokens; time to first token."""
+    return run_workload(ctx, cfg_dict, "prefill")
+
+
+def decode_rank(ctx, cfg_dict: dict) -> list:
+    """task=decode: greedy generation of N tokens with a KV cache after a prompt."""
+    return run_workload(ctx, cfg_dict, "decode")
+
+
+def train_rank(ctx, cfg_dict: dict) -> list:
+    """task=train: forward, backward, gradient synchronisation and an AdamW step."""
+    return run_workload(ctx, cfg_dict, "train")
