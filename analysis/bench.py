@@ -79,14 +79,15 @@ def _index_share(df: pd.DataFrame) -> pd.Series:
 
 def _a2a_efficiency(df: pd.DataFrame) -> pd.Series:
     """Per run: the plain ``all_to_all_single`` replay's time over the harness's collective
-    time, summed over the run's collectives (each: slowest rank per sample, median over
-    samples). 1.0: no overhead; 0.8: the harness's collectives take 25 % longer."""
+    time in the same replay iterations, summed over the run's collectives (each: slowest
+    rank per sample, median over samples). 1.0: no overhead; 0.8: the harness's
+    collectives take 25 % longer."""
     def per_collective(metric: str) -> pd.Series:
         sel = df[(df.metric == metric) & (df["sample"] >= 0)]
         slow = sel.groupby(["run_dir", "layer", "phase", "pass", "sample", "rank"]).value.sum()
         return slow.groupby(["run_dir", "layer", "phase", "pass", "sample"]).max() \
             .groupby(["run_dir", "layer", "phase", "pass"]).median()
-    raw, harness = per_collective("raw_a2a_time"), per_collective("a2a_time")
+    raw, harness = per_collective("raw_a2a_time"), per_collective("a2a_time_paired")
     if raw.empty:
         return pd.Series(dtype=float)
     both = pd.concat([raw.rename("raw"), harness.rename("harness")], axis=1).dropna()

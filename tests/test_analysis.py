@@ -446,3 +446,43 @@ def test_fig1_reference_row_is_measured_and_never_projected(tmp_path):
     assert measured.loc["reference", "ratio_to_naive"] == pytest.approx(40.0 / 101.0)   # naive: 100, 102 ms
     assert set(tables["fig1_projected"].system) == {"naive"}
     assert (tmp_path / "fig1_latency.png").is_file()
+
+
+def bench_layer_run(run_dir: Path, shape: str, naive_ms: float, occult_ms: float) -> None:
+    """A task=bench run folder: naive and occult rows tagged with their system, as the task writes them."""
+    rows = []
+    for system, ms, raw in (("naive", naive_ms, 0.9), ("occult", occult_ms, 0.45)):
+        tag = {"system": system, "impl": "harness", "system_options": "{}", "run_id": f"b/{shape}/{system}"}
+        for s in range(3):
+            for rank in range(2):
+                for direction, scale in (("forward", 1.0), ("forward+backward", 2.5)):
+                    rows.append({**row("time", ms * scale, "ms", layer=0, rank=rank, phase="layer",
+                                       direction=direction, sample=s), **tag})
+                rows.append({**row("time", ms * 0.1, "ms", layer=0, rank=rank, phase=f"{system}_index", sample=s),
+                             **tag})
+                rows.append({**row("a2a_time_paired", 1.0, "ms", layer=0, rank=rank, phase="dispatch",
+                                   direction="forward", sample=s), **tag})
+                rows.append({**row("raw_a2a_time", raw, "ms", layer=0, rank=rank, phase="dispatch",
+                                   direction="forward", sample=s), **tag})
+        rows.append({**row("activation_bytes", 1e8, "bytes", layer=0, rank=0), **tag})
+    ctx = {**_context("naive", shape, "bench", 2, 64, 8, 2048, 16), "task": "bench"}
+    write_results(make_frame(rows, ctx), run_dir)
+
+
+def test_bench_report_gives_ratios_efficiency_and_targets(tmp_path):
+    from analysis.bench import bench_report
+    from analysis.load import load_runs
+    bench_layer_run(tmp_path / "comm", "bench_comm", 10.0, 5.0)
+    bench_layer_run(tmp_path / "olmoe", "bench_olmoe", 10.0, 9.5)
+    (section,) = bench_report(load_runs([tmp_path]), tmp_path)
+    tables = dict(section.tables)
+    layers = tables["bench_layers"].set_index(["model", "system"])
+    assert layers.loc[("bench_comm", "occult"), "layer_fwd_ms_ratio"] == pytest.approx(0.5)
+    assert layers.loc[("bench_comm", "occult"), "own_index_work_share_fwd"] == pytest.approx(0.1)
+    assert layers.loc[("bench_comm", "naive"), "a2a_efficiency"] == pytest.approx(0.9)
+    targets = tables["bench_targets"].set_index("target")
+    assert bool(targets.loc["comm-bound layer, forward", "met"])                 # 0.5 <= 0.58
+    assert not bool(targets.loc["OLMoE-shaped layer, forward", "met"])           # 0.95 > 0.90
+    assert targets.loc["all-to-all bandwidth vs plain all_to_all_single, min over systems and shapes",
+                       "measured"] == pytest.approx(0.45)
+    assert (tmp_path / "bench.md").is_file() and (tmp_path / "bench.csv").is_file()

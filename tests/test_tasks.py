@@ -61,3 +61,19 @@ def test_reference_system_trains_like_expert_parallel_naive(tmp_path):
     assert len(losses(ref)) == 4  # 2 ranks x 2 steps
     assert losses(ref) == pytest.approx(losses(naive), rel=1e-4)
     assert "rows" not in set(ref.metric) and "rows" in set(naive.metric)
+
+
+@pytest.mark.timeout(300)
+def test_bench_model_times_two_systems_in_one_world(tmp_path):
+    """task=bench_model: naive and occult rank models from the same weights, parity first,
+    the same prefill iterations alternating; each system's rows carry its name."""
+    run_py("task=bench_model", "model=olmoe_proxy", "task.workload=prefill", "cluster=cpu2", *TINY,
+           "task.iters=2", f"out_dir={tmp_path}")
+    df = pd.read_parquet(tmp_path / "results.parquet")
+    assert set(df.system) >= {"naive", "occult"} and set(df.task) == {"bench_model"}
+    for system in ("naive", "occult"):
+        mine = df[df.system == system]
+        assert (mine[mine.metric == "parity_checked"].value == 1).all()
+        assert len(mine[(mine.metric == "ttft") & (mine["rank"] == -1)]) == 2
+    occ = df[(df.system == "occult") & (df.metric == "bytes")].value.sum()
+    assert 0 < occ < df[(df.system == "naive") & (df.metric == "bytes")].value.sum()

@@ -33,6 +33,7 @@ class CommEvent:
     seconds: float        # the collective itself
     wait_seconds: float = 0.0   # barrier before it (only with Recorder.sync_collectives)
     meta_row_bytes: int = 0     # of row_bytes, the metadata riding with each row
+    raw_seconds: float = -1.0   # the same exchange as a plain all_to_all_single (Recorder.raw_replay)
 
 
 @dataclass
@@ -47,15 +48,20 @@ class Recorder:
     # barrier before every collective, timed apart, so that a2a times measure the
     # transfer and not the wait for the slowest peer (adds a barrier per collective)
     sync_collectives: bool = False
+    # after each collective, the same split sizes again as a plain all_to_all_single (timed
+    # apart, after a barrier): the harness's own overhead per collective (benchmarks only)
+    raw_replay: bool = False
     comm: list = field(default_factory=list)
     spans: list = field(default_factory=list)     # (layer, name, direction, seconds)
     routing: list = field(default_factory=list)   # (layer, topk_ids_TK, weights_TK, logits_TE)
     counters: list = field(default_factory=list)  # (layer, name, value), from Dispatcher.stats
 
     def log_collective(self, *, layer: int, phase: str, direction: str, rows_P, row_bytes: int,
-                       seconds: float, wait_seconds: float = 0.0, meta_row_bytes: int = 0) -> None:
+                       seconds: float, wait_seconds: float = 0.0, meta_row_bytes: int = 0,
+                       raw_seconds: float = -1.0) -> None:
         self.comm.append(CommEvent(layer, phase, direction, self.rank, tuple(int(r) for r in rows_P),
-                                   int(row_bytes), float(seconds), float(wait_seconds), int(meta_row_bytes)))
+                                   int(row_bytes), float(seconds), float(wait_seconds), int(meta_row_bytes),
+                                   float(raw_seconds)))
 
     @contextmanager
     def span(self, layer: int, name: str, direction: str = "forward"):

@@ -52,11 +52,25 @@ def _exchange(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where
     else:
         dist.all_to_all_single(out, x_RD, list(recv_P), list(send_P), group=ep.group)
     if rec is not None:
+        seconds = clock() - t0
+        raw = _raw_seconds(x_RD, out, send_P, recv_P, ep) if rec.raw_replay else -1.0
         row_bytes = int(torch.Size(x_RD.shape[1:]).numel() * x_RD.element_size())
         rec.log_collective(layer=where.layer, phase=where.phase, direction=direction, rows_P=send_P,
-                           row_bytes=row_bytes, seconds=clock() - t0, wait_seconds=wait,
-                           meta_row_bytes=where.meta_cols * x_RD.element_size())
+                           row_bytes=row_bytes, seconds=seconds, wait_seconds=wait,
+                           meta_row_bytes=where.meta_cols * x_RD.element_size(), raw_seconds=raw)
     return out
+
+
+def _raw_seconds(x_RD: torch.Tensor, out: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup) -> float:
+    """The same exchange again as a plain ``all_to_all_single`` (its output buffer made
+    before the clock), after a barrier: what the collective costs without the harness."""
+    if ep.world_size == 1:
+        return 0.0
+    scratch = torch.empty_like(out)
+    barrier(ep)
+    t0 = clock()
+    dist.all_to_all_single(scratch, x_RD, list(recv_P), list(send_P), group=ep.group)
+    return clock() - t0
 
 
 class _AllToAllRows(torch.autograd.Function):

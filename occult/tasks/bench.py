@@ -12,8 +12,9 @@ routing, same tokens.
 :mod:`occult.tasks.model`), one rank model per system from the same weights. Every
 system is first checked against the single-device reference; then the systems'
 iterations alternate, so that machine noise hits them alike. After the timed layer
-iterations, each collective a system made is replayed as a plain ``all_to_all_single``
-of the same split sizes (``raw_a2a_time``): the harness's own overhead. Each system's
+iterations, more iterations replay each collective right after itself as a plain
+``all_to_all_single`` of the same split sizes (``raw_a2a_time`` beside
+``a2a_time_paired``): the harness's own overhead. Each system's
 rows carry its own ``system``, ``impl``, ``system_options`` and ``run_id``;
 :func:`analysis.bench.bench_report` turns them into ratios.
 """
@@ -21,12 +22,10 @@ from __future__ import annotations
 
 import copy
 
-import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from ..ep import Recorder, system_config
-from ..ep.measure import barrier, clock, iterations, stopwatch
+from ..ep.measure import barrier, iterations, stopwatch
 from ..errors import ConfigError
 from ..memory import saved_activation_bytes
 from ..records import row
@@ -105,34 +104,30 @@ def run_rank(ctx, cfg_dict: dict) -> list:
             print(f"  [{first.model.name}] {kind}: {', '.join(took)}", flush=True)
     base_id = f"{first.experiment_name}/bench/{first.model.name}/{first.cluster.name}"
     out = []
+    replayed = replay_rows(ctx, layers, recs, (x_TD, ids_TK, grad_TD), t.iters) if ctx.world_size > 1 else None
     for i, config in enumerate(systems):
-        rows[i] += replay_rows(ctx, recs[i], x_TD.dtype, t.iters)
         rows[i] += comm_rows(recs[i]) + routing_rows(ctx, recs[i], layers[i].dispatcher.placement)
+        rows[i] += replayed[i] if replayed else []
         out += _tagged(rows[i], config, base_id, ctx.world_size)
     return out
 
 
-def replay_rows(ctx, rec: Recorder, dtype, reps: int) -> list:
-    """Each collective of the last iteration, replayed ``reps`` times as a plain
-    ``all_to_all_single`` of the same split sizes and row width (after a barrier, as the
-    timed collectives): ``raw_a2a_time`` rows beside the harness's ``a2a_time``."""
-    out = []
-    if ctx.world_size == 1:
-        return out
-    element = torch.empty((), dtype=dtype, device="cpu").element_size()
-    for ev in rec.comm:
-        gathered = [None] * ctx.world_size
-        dist.all_gather_object(gathered, list(ev.rows_P), group=ctx.ep.group)   # everyone's sends
-        recv_P = [gathered[src][ctx.rank] for src in range(ctx.world_size)]
-        width = max(ev.row_bytes // element, 1)
-        send = torch.zeros(sum(ev.rows_P), width, dtype=dtype, device=ctx.device)
-        recv = torch.empty(sum(recv_P), width, dtype=dtype, device=ctx.device)
-        for sample in range(reps):
-            barrier(ctx.ep)
-            t0 = clock()
-            dist.all_to_all_single(recv, send, recv_P, list(ev.rows_P), group=ctx.ep.group)
-            out.append(row("raw_a2a_time", (clock() - t0) * 1e3, "ms", layer=ev.layer, rank=ctx.rank,
-                           phase=ev.phase, direction=ev.direction, sample=sample))
+def replay_rows(ctx, layers: list, recs: list, inputs: tuple, reps: int) -> list:
+    """``reps`` more iterations of every system with each collective replayed right after
+    itself as a plain ``all_to_all_single`` of the same split sizes
+    (:attr:`occult.ep.Recorder.raw_replay`): per system, ``a2a_time_paired`` (the
+    harness's collective) and ``raw_a2a_time`` rows of the same events. Not timed
+    samples of the layer (their layer times are dropped)."""
+    out = [[] for _ in layers]
+    x_TD, ids_TK, grad_TD = inputs
+    for sample in range(reps):
+        for i, layer in enumerate(layers):
+            rec = Recorder(rank=ctx.rank, sync_collectives=True, raw_replay=True)
+            time_iteration(ctx, layer, x_TD, ids_TK, grad_TD, rec, sample, True)
+            for ev in rec.comm:
+                where = dict(layer=ev.layer, rank=ctx.rank, phase=ev.phase, direction=ev.direction, sample=sample)
+                out[i] += [row("a2a_time_paired", ev.seconds * 1e3, "ms", **where),
+                           row("raw_a2a_time", ev.raw_seconds * 1e3, "ms", **where)]
     return out
 
 
