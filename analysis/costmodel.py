@@ -266,20 +266,30 @@ def _peer_matrix(g: pd.DataFrame, P: int) -> np.ndarray:
     return mat
 
 
-def _row_bytes_of_hidden(run: pd.DataFrame, coll: pd.DataFrame) -> Optional[float]:
-    """Bytes of one hidden-state row in this run (from its dispatch phase), or None."""
-    D = int(run.hidden_size.iloc[0])
-    disp = coll[coll.phase == "dispatch"]
-    total_rows = disp.rows.sum()
-    if total_rows == 0:
+def wire_matrix(hidden_PP: np.ndarray, meta_PP: np.ndarray, rows: float, D_run: int, D: int,
+                element_bytes: int) -> Optional[np.ndarray]:
+    """One collective's [P, P] bytes re-sized to a target's hidden size ``D`` and element
+    size, or None when its rows are not whole hidden-state rows (other row kinds keep
+    their bytes). A row's element is its hidden bytes / ``D_run``; an element narrower
+    than the target's (a compressed payload: int8, fp8, bf16 under float32) crosses as it
+    did, with its scale and metadata bytes as they were; otherwise the elements and the
+    metadata values take the target's element size."""
+    if not rows:
         return None
-    per_row = sum(m.sum() - meta.sum() for m, meta in zip(disp.bytes_PP, disp.meta_PP)) / total_rows
-    return per_row if per_row % D == 0 else None
+    per_row = hidden_PP.sum() / rows
+    run_element = per_row / D_run
+    if not np.isclose(run_element, round(run_element)) or round(run_element) not in (1, 2, 4, 8):
+        return None          # not rows of D elements (e.g. expert weights): bytes as they are
+    run_element = round(run_element)
+    if run_element < element_bytes:
+        return hidden_PP / per_row * D * run_element + meta_PP
+    return hidden_PP / per_row * D * element_bytes + meta_PP / run_element * element_bytes
 
 
 def _expert_rows(run: pd.DataFrame, layer: int) -> np.ndarray:
     """(token, expert) rows each rank's experts process in one layer: tokens per rank x K
-    (balanced) plus the padding rows the system reported, minus dropped pairs."""
+    (balanced) plus the padding rows the system reported, minus dropped pairs and pairs
+    merged into another's row (lsh's centroids)."""
     P, K = int(run.world_size.iloc[0]), int(run.top_k.iloc[0])
     tok = run[(run.metric == "tokens") & (run["rank"] >= 0) & (run.layer == layer)]
     per_rank = np.zeros(P)
@@ -288,7 +298,7 @@ def _expert_rows(run: pd.DataFrame, layer: int) -> np.ndarray:
         per_rank += total / P * K
     else:
         per_rank += float(run.tokens_per_rank.iloc[0]) * K
-    for name, sign in (("padding_rows", 1.0), ("dropped_pairs", -1.0)):
+    for name, sign in (("padding_rows", 1.0), ("dropped_pairs", -1.0), ("merged_pairs", -1.0)):
         c = run[(run.metric == name) & (run.layer == layer) & (run["rank"] >= 0)]
         for rank, v in c.groupby("rank").value.sum().items():
             per_rank[int(rank)] += sign * v
@@ -307,14 +317,12 @@ def project_run(run: pd.DataFrame, profile: Profile, target: Optional[Target] = 
     D_run, F_run = int(run.hidden_size.iloc[0]), int(run.expert_ffn_size.iloc[0])
     D, F = (target.hidden_size, target.expert_ffn_size) if target else (D_run, F_run)
     coll = _collectives(run)
-    hidden_row = _row_bytes_of_hidden(run, coll)
     out = []
     for c in coll.itertuples():
         mat = c.bytes_PP
-        hidden_PP = mat - c.meta_PP          # metadata riding with the rows keeps its element count
-        if target is not None and hidden_row and c.rows and np.isclose(hidden_PP.sum() / c.rows, hidden_row):
-            run_element = hidden_row / D_run
-            mat = hidden_PP / hidden_row * D * profile.element_bytes + c.meta_PP / run_element * profile.element_bytes
+        if target is not None:          # metadata riding with the rows keeps its element count
+            resized = wire_matrix(mat - c.meta_PP, c.meta_PP, c.rows, D_run, D, profile.element_bytes)
+            mat = mat if resized is None else resized
         out.append({"layer": c.layer, "component": f"a2a:{c.phase}", "pass": c.direction,
                     "ms": a2a_seconds(mat, link, c.calls) * 1e3})
     backward = bool((run["pass"] == "backward").any())

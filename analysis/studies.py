@@ -130,13 +130,13 @@ def accuracy_frame(df: pd.DataFrame) -> pd.DataFrame:
     for run_dir, run in df.groupby("run_dir"):
         system, budget, steps = run.system.iloc[0], _budget(run), int((run.metric == "train_loss").sum())
         arm = run.label.iloc[0] or arm_of(system, budget, steps)
-        rec = {"arm": arm, "system": system, "budget": budget, "steps": steps}
+        rec = {"arm": arm, "system": system, "budget": budget, "steps": steps, "run_dir": run_dir}
         corpora = sorted(run[run.metric == "eval_loss"].phase.unique())
         for corpus in corpora:
             for metric in ("eval_loss", "eval_perplexity", "eval_accuracy"):
                 rec[f"{corpus}_{metric[5:]}"] = run[(run.metric == metric) & (run.phase == corpus)].value.item()
             rec[f"{corpus}_ct_all"] = run[(run.metric == "ct_all") & (run.phase == corpus)].value.mean()
-        rec["ct_all"] = run[run.metric == "ct_all"].value.mean()
+        rec["ct_all"] = run[(run.metric == "ct_all") & run.phase.isin(corpora)].value.mean()
         out.append(rec)
     table = pd.DataFrame(out)
     table["budget"] = table.budget.astype("Int64")
@@ -152,7 +152,8 @@ def write_accuracy_table(table: pd.DataFrame, out_dir) -> Path:
              "Loss in nats/token; accuracy = next-token accuracy; C_T = devices per token (mean over "
              "MoE layers) during evaluation. Arms: no fine-tuning (task.steps=0), standard fine-tuning "
              "(system=occult), score / similarity pruning at N_d' = budget, all with the same step "
-             "budget and frozen set.", "", table.to_markdown(index=False, floatfmt=".4g"), ""]
+             "budget and frozen set.", "", table.drop(columns=["run_dir"]).to_markdown(index=False, floatfmt=".4g"),
+             ""]
     (sweep_dir / "accuracy.md").write_text("\n".join(lines))
     return sweep_dir / "accuracy.csv"
 
@@ -207,7 +208,7 @@ def fig7_pruning(df: pd.DataFrame, out_dir) -> list:
             "accuracy on its held-out split; C_T measured during that evaluation. Occult reports that pruning "
             "to 2 devices keeps standard fine-tuning's accuracy and that similarity pruning beats score "
             "pruning (docs/paper_claims.md); compare the lines here, which are one seed of a CPU proxy."]
-    return [Section(title, text, [("fig7_pruning", table)], figs)]
+    return [Section(title, text, [("fig7_pruning", table.drop(columns=["run_dir"]))], figs)]
 
 
 def main() -> None:

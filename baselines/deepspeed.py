@@ -78,8 +78,10 @@ C capacity.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,8 +97,11 @@ from occult.ep.accounting import span
 from occult.ep.measure import barrier, clock
 
 DEEPSPEED_PIN = "0.19.8"
-# DeepSpeed builds a small C++ op on first use; the project keeps it, once per machine
-EXTENSIONS_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "occult-bench" / "torch_extensions"
+# DeepSpeed builds a small C++ op on first use; the project keeps it, once per machine and
+# Python environment (the build names the environment's paths: two virtual environments
+# sharing one folder would rebuild it in turn, each waiting on the other's lock)
+EXTENSIONS_DIR = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "occult-bench" / "torch_extensions"
+                  / hashlib.sha256(sys.prefix.encode()).hexdigest()[:12])
 SHM_BUILDER = "ShareMemCommBuilder"     # the op deepspeed.init_distributed loads on a CPU
 # torch's extension loader waits on <build folder>/lock without a time limit, even when the
 # op is built (it takes the lock to load it too); a load holds it for well under a second,

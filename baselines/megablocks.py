@@ -53,7 +53,6 @@ from typing import Optional
 import torch
 
 from baselines.naive import NaiveDispatcher, NaiveHandle
-from occult.ep import SystemConfig
 from occult.ep.permute import gather_rows, scatter_add_rows
 
 
@@ -132,7 +131,7 @@ class MegaBlocksDispatcher(NaiveDispatcher):
     exact = True
 
     @dataclass
-    class Config(SystemConfig):
+    class Config(NaiveDispatcher.Config):
         # > 0: pad each local expert's rows to a multiple (block-sparse path; MegaBlocks uses 128)
         block_size: int = 0
         # the megablocks library: auto (where it imports and EP=1) | on | off (the harness scheme)

@@ -10,11 +10,12 @@ Shapes: T tokens, K top-k, D hidden, P ranks, e local experts, R rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
-from occult.ep import Exchange, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
+from occult.ep import Exchange, Recorder, SplitDispatcher, all_to_all_rows, exchange_counts
+from occult.ep.payload import PayloadConfig
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination,
                                weighted_scatter_add)
 
@@ -34,13 +35,14 @@ class NaiveHandle:
 
 
 class NaiveDispatcher(SplitDispatcher):
-    """Naive EP (no options)."""
+    """Naive EP; ``payload``: how the rows cross (fp32: as they are; bf16, int8, fp8:
+    compressed, see :mod:`occult.ep.payload`)."""
 
     impl = "harness"
 
     @dataclass
-    class Config(SystemConfig):
-        pass
+    class Config(PayloadConfig):
+        accepts_dropped_pairs: ClassVar[bool] = True
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         K = topk_ids_TK.shape[1]
@@ -50,7 +52,7 @@ class NaiveDispatcher(SplitDispatcher):
         send_P, recv_P = send_Pe.sum(1).tolist(), recv_Pe.sum(1).tolist()
         token_R = order_R // K
         x_recv_RD = all_to_all_rows(gather_rows(x_TD, token_R), send_P, recv_P, self.ep,
-                                    Exchange(layer, "dispatch", recorder))
+                                    Exchange(layer, "dispatch", recorder), self.config.payload_of("dispatch"))
         perm_R = expert_major_order(recv_Pe)
         handle = NaiveHandle(token_R, topk_weights_TK.flatten()[order_R], inverse_permutation(perm_R),
                              send_P, recv_P, x_TD.shape[0], layer, recorder)
@@ -58,5 +60,6 @@ class NaiveDispatcher(SplitDispatcher):
 
     def combine(self, y_RD, handle: NaiveHandle):
         y_back_RD = all_to_all_rows(gather_rows(y_RD, handle.inv_perm_R), handle.recv_P, handle.send_P, self.ep,
-                                    Exchange(handle.layer, "combine", handle.recorder))
+                                    Exchange(handle.layer, "combine", handle.recorder),
+                                    self.config.payload_of("combine"))
         return weighted_scatter_add(handle.num_tokens, handle.token_R, y_back_RD, handle.weight_R)

@@ -74,6 +74,7 @@ class TaskConf:
     split: str = "validation"
     lr: float = 1e-3                    # train / finetune
     steps: int = 0                      # finetune
+    timing_iters: int = 0               # finetune: timed prefill forwards after evaluating (0: none)
     save_routing: bool = False          # write routing.parquet (+ router logits) per run
     # task=bench / bench_model: the systems compared in one world (conf/system names; the first
     # is the baseline), and the whole-model task bench_model times (prefill | decode | train)

@@ -73,8 +73,9 @@ def _check_task(t) -> None:
     if t.whole_model:
         _at_least("task.batch_size", t.batch_size, 1)
         _at_least("task.seq_len", t.seq_len, 1)
-    if t.steps < 0 or t.new_tokens < 0:
-        raise ConfigError(f"task.steps={t.steps}, task.new_tokens={t.new_tokens}: must be >= 0")
+    if t.steps < 0 or t.new_tokens < 0 or t.timing_iters < 0:
+        raise ConfigError(f"task.steps={t.steps}, task.new_tokens={t.new_tokens}, task.timing_iters="
+                          f"{t.timing_iters}: must be >= 0")
     try:
         import_object(t.entry)
     except (ImportError, AttributeError) as exc:

@@ -24,11 +24,21 @@ def system_configs(extra_dirs=()) -> dict:
 
 
 def exact_systems(extra_dirs=()) -> dict:
-    """Expert-parallel systems that claim exact top-k MoE with their default options:
-    name -> the system's dict. The reference (no dispatcher) is what they are checked against."""
+    """Expert-parallel systems that claim exact top-k MoE with their default options, and
+    lossy ones with their loss switched off (``SystemConfig.lossless_options``, named
+    ``name(option=value, ...)``): name -> the system's dict. The reference (no
+    dispatcher) is what they are checked against."""
     out = {}
     for name, cfg in system_configs(extra_dirs).items():
         config = system_config(cfg)
-        if config.expert_parallel and config.is_exact():
+        if not config.expert_parallel:
+            continue
+        if config.is_exact():
             out[name] = cfg
+            continue
+        off = config.lossless_options()
+        if off:
+            lossless = {**cfg, **off}
+            assert system_config(lossless).is_exact(), f"{name} with {off} does not say it is exact"
+            out[name + "(" + ", ".join(f"{k}={v}" for k, v in off.items()) + ")"] = lossless
     return out

@@ -371,7 +371,7 @@ def test_profile_schema_names_a_bad_field():
 
 
 def test_experiments_compose():
-    for name in ("fig1_latency", "fig3_lcc", "table1_ct_runtime", "fig8_pattern", "fig12_scaling",
+    for name in ("fig1_latency", "fig3_lcc", "table1_ct_runtime", "fig8_pattern", "fig12_scaling", "lossy_front",
                  "default_study", "fig7_pruning", "pruning_no_finetune", "placement_study", "bench",
                  "calibrate", "exflow_affinity"):
         cfg = _cfg(f"experiment={name}")
@@ -486,3 +486,46 @@ def test_bench_report_gives_ratios_efficiency_and_targets(tmp_path):
     assert targets.loc["all-to-all bandwidth vs plain all_to_all_single, min over systems and shapes",
                        "measured"] == pytest.approx(0.45)
     assert (tmp_path / "bench.md").is_file() and (tmp_path / "bench.csv").is_file()
+
+
+def lossy_run(run_dir: Path, system: str, label: str, steps: int, pydoc_loss: float, bytes_per_token: float,
+              ttft_ms: float, rows_per_peer: int):
+    """A lossy_front point: a finetune run with its evaluation bytes and timing probe."""
+    rows = [row("train_loss", 6.0, "nats/token", sample=s) for s in range(steps)]
+    for corpus, loss in (("pydoc", pydoc_loss), ("shakespeare", pydoc_loss - 1.0)):
+        rows += [row("eval_loss", loss, "nats/token", phase=corpus),
+                 row("eval_perplexity", float(np.exp(loss)), "ppl", phase=corpus),
+                 row("eval_accuracy", 1.0 / loss, "ratio", phase=corpus),
+                 row("eval_tokens", 1000, "tokens", phase=corpus),
+                 row("eval_remote_bytes", 1000 * bytes_per_token, "bytes", phase=corpus),
+                 row("ct_all", 2.0, "devices/token", layer=0, phase=corpus)]
+    rows += [row("ttft", ttft_ms, "ms", phase="prefill", sample=s) for s in range(2)]
+    rows += [row("a2a_time", 1.0, "ms", layer=0, rank=r, phase=p, direction="forward", sample=0)
+             for r in range(4) for p in ("dispatch", "combine")]
+    rows += [row("tokens", 64, "tokens", layer=0, rank=r) for r in range(4)]
+    rows += [r for r in _comm_rows(4, rows_per_peer, 32, directions=("forward",))]
+    rows += [row("ct_all", 9.0, "devices/token", layer=0, rank=-1)]        # the probe's: not the eval's C_T
+    ctx = {**_context(system, "olmoe_proxy", "finetune", 4, 16, 4, 32, 16), "label": label,
+           "run_id": f"t/{label}/{steps}", "config_hash": f"{label}{steps}"}
+    write_results(make_frame(rows, ctx), run_dir)
+
+
+def test_lossy_front_table_front_and_ratios(tmp_path):
+    from analysis.load import load_runs
+    from analysis.lossy import lossy_front, pareto
+    points = [("naive", "naive", 0, 7.0, 6000.0, 100.0, 16), ("occult", "standard", 2, 5.9, 4000.0, 80.0, 12),
+              ("naive", "naive_int8", 2, 5.95, 1600.0, 90.0, 16), ("naive", "naive_int8", 0, 6.5, 1600.0, 90.0, 16),
+              ("lsh", "lsh_4", 2, 6.2, 1000.0, 70.0, 4), ("lsh", "lsh_4", 0, 6.1, 1000.0, 70.0, 4)]
+    for i, p in enumerate(points):
+        lossy_run(tmp_path / f"run{i}", *p)
+    (section,) = lossy_front(load_runs([tmp_path]), tmp_path)
+    assert (tmp_path / "lossy_front.png").is_file() and (tmp_path / "lossy_front.csv").is_file()
+    table = dict(section.tables)["lossy_front"]
+    lsh = table[(table.arm == "lsh_4") & ~table.finetuned].iloc[0]
+    assert lsh.family == "lsh" and lsh.pydoc_bytes_per_token == pytest.approx(1000.0)
+    assert lsh.time_vs_naive == pytest.approx(0.7) and lsh.ct_all == pytest.approx(2.0)
+    assert lsh.projected_vs_naive < 1.0         # a quarter of naive's rows: less to move
+    front = "".join(section.text)
+    # standard (4000 B, 5.9), naive_int8 tuned (1600 B, 5.95), lsh untuned (1000 B, 6.1) beat the rest
+    assert front.split("fewest bytes first): ")[1].startswith("lsh_4 (no ft), naive_int8, standard.")
+    assert list(pareto([3, 1, 2, 1], [1, 3, 2, 2])) == [3, 0]       # (2, 2): as good a loss, more bytes

@@ -55,9 +55,11 @@ def test_unknown_system_lists_the_choices():
     (["task.iters=0"], r"task.iters=0"),
     (["cluster.backend=mpi"], r"cluster.backend='mpi': allowed values"),
     (["system._target_=baselines.naive.Nope"], r"system=naive: cannot import"),
-    (["+system.flavour=x"], r"system.flavour: unknown option of system 'naive'; allowed: \[\]"),
+    (["+system.flavour=x"], r"system.flavour: unknown option of system 'naive'; allowed: \['payload', "
+                            r"'combine_payload'\]"),
     (["system=reference"], r"system=reference has no expert-parallel dispatcher; task=layer needs one. "
-                           r"Expert-parallel systems: \['deepspeed', 'exflow', 'megablocks', 'naive', 'occult'"),
+                           r"Expert-parallel systems: \['adaptive_topk', 'deepspeed', 'exflow', 'lsh', 'megablocks', 'naive', "
+                           r"'occult'"),
     (["system=reference", "task=finetune", "model=olmoe_proxy"], r"task=finetune needs one"),
     (["system=reference", "task=prefill", "model=olmoe_proxy", "+system.flavour=x"],
      r"system.flavour: unknown option of system 'reference'; allowed: \[\]"),

@@ -137,8 +137,8 @@ def test_misspelt_or_mistyped_system_options_fail_at_compose_time():
     from occult.cli import describe
     with pytest.raises(ConfigCompositionException) as err:
         _cfg("system=occult_prune_sim", "system.budgett=2")
-    assert describe(err.value).startswith("system.budgett: unknown key; allowed: name, _target_, kernels, "
-                                          "placement_file, budget, weight_rule")
+    assert describe(err.value).startswith("system.budgett: unknown key; allowed: name, _target_, payload, "
+                                          "combine_payload, kernels, placement_file, budget, weight_rule")
     with pytest.raises(ConfigCompositionException) as err:
         _cfg("system=tutel", "system.capacity_factor=lots")
     assert describe(err.value).startswith("system.capacity_factor='lots'")
@@ -187,7 +187,7 @@ def test_resume_skips_the_same_config_and_refuses_another(tmp_path):
 @pytest.mark.parametrize("overrides, line", [
     (["model.topk=2"], "error: model.topk: unknown key; allowed: name, num_experts, top_k"),
     (["model.top_k=two"], "error: model.top_k='two': Value 'two' of type 'str' could not be converted to Integer"),
-    (["system=nonesuch"], "error: system=nonesuch: no such option; available: deepspeed, exflow"),
+    (["system=nonesuch"], "error: system=nonesuch: no such option; available: adaptive_topk, deepspeed, exflow"),
     (["model.hidden_size=0"], "error: model.hidden_size=0: must be at least 1"),
     (["task.zipf_s=-0.5"], "error: task.zipf_s=-0.5: must be >= 0"),
     (["system=occult_prune_score", "system.budget=8"],

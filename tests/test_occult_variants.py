@@ -225,7 +225,7 @@ def test_finetune_task_end_to_end(tmp_path):
         [sys.executable, "run.py", "system=occult_prune_sim", "model=olmoe_proxy", "task=finetune", "cluster=cpu2",
          "model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16", "model.num_layers=2",
          "task.steps=2", "task.seq_len=32", "task.tokens_per_rank=256", "system.budget=1",
-         "system.profile_tokens=512", f"hydra.run.dir={run_dir}"],
+         "system.profile_tokens=512", "task.timing_iters=1", f"hydra.run.dir={run_dir}"],
         cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     df = pd.read_parquet(run_dir / "results.parquet")
@@ -234,6 +234,14 @@ def test_finetune_task_end_to_end(tmp_path):
         assert {"eval_loss", "eval_perplexity", "eval_accuracy", "ct_all", "ct_remote"} <= set(got.metric)
         assert got[got.metric == "ct_all"].value.max() <= 1.0 + 1e-9
         assert got[got.metric == "eval_tokens"].value.item() == 2 * 256
+        # remote bytes by hand: one row per (token, remote device) each way, D + e float32
+        # values out (hidden state, gate weights), D back; plus the small counts exchanges
+        rows = (got[got.metric == "ct_remote"].value * 2 * 256).sum()
+        payload = rows * (32 + 32 + 32) * 4
+        remote = got[got.metric == "eval_remote_bytes"].value.item()
+        assert payload > 0 and 0 <= remote - payload <= 0.02 * payload, (remote, payload)
+    # the timing probe: a timed prefill and its collectives, beside the evaluation
+    assert (df.metric == "ttft").any() and (df.metric == "bytes").any()
     assert (df.metric == "train_loss").sum() == 2
     assert (run_dir / "profile_router_logits.npz").is_file()
     table = accuracy_table(run_dir)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ep import Placement
+from ..ep.accounting import device_hits
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,7 @@ def _positions(hit_AB: torch.Tensor) -> torch.Tensor:
 
 def build_brim0(topk_ids_TK: torch.Tensor, placement: Placement) -> Brim0:
     """BRIM_0 from the top-k ids of this rank's tokens and the placement."""
-    T, dev = topk_ids_TK.shape[0], topk_ids_TK.device
-    P = placement.num_devices
-    hit_PT = torch.zeros(P, T, dtype=torch.bool, device=dev)
-    hit_PT[placement.device_E[topk_ids_TK], torch.arange(T, device=dev).unsqueeze(1)] = True
+    hit_PT = device_hits(topk_ids_TK, placement).t()      # dropped pairs (id -1) hit nothing
     index_PT = _positions(hit_PT)
     device_R, token_R = torch.nonzero(hit_PT, as_tuple=True)    # in SFD (device, token) order
     return Brim0(index_PT, token_R, device_R, hit_PT.sum(1))
@@ -86,11 +84,12 @@ def local_expert_weights(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tenso
     the weights' dtype, differentiable in the weights. Built from the (token, k) pairs
     through BRIM_0 (no dense [T, P, e] tensor)."""
     T, K = topk_ids_TK.shape
-    dev_TK, slot_TK = placement.device_E[topk_ids_TK], placement.slot_E[topk_ids_TK]
-    tok_TK = torch.arange(T, device=topk_ids_TK.device).unsqueeze(1).expand(T, K)
-    row_TK = brim0.index_PT[dev_TK, tok_TK]                      # each pair's SFD row
+    keep_TK = topk_ids_TK >= 0                                   # dropped pairs (id -1) are not sent
+    ids_Q = topk_ids_TK[keep_TK]
+    tok_Q = torch.arange(T, device=topk_ids_TK.device).unsqueeze(1).expand(T, K)[keep_TK]
+    row_Q = brim0.index_PT[placement.device_E[ids_Q], tok_Q]     # each pair's SFD row
     w_Re = topk_weights_TK.new_full((brim0.token_R.numel(), placement.num_local), UNUSED)
-    return w_Re.index_put((row_TK.flatten(), slot_TK.flatten()), topk_weights_TK.flatten())
+    return w_Re.index_put((row_Q, placement.slot_E[ids_Q]), topk_weights_TK[keep_TK])
 
 
 def uses_of(weights_Re: torch.Tensor) -> torch.Tensor:

@@ -26,11 +26,12 @@ Q EPD rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
-from ..ep import Exchange, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
+from ..ep import Exchange, Recorder, SplitDispatcher, all_to_all_rows, exchange_counts
+from ..ep.payload import PayloadConfig
 from ..ep.accounting import span
 from ..ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
 from ..kernels import triton_available, use_triton
@@ -62,8 +63,9 @@ class OccultDispatcher(SplitDispatcher):
     impl = "harness"
 
     @dataclass
-    class Config(SystemConfig):
+    class Config(PayloadConfig):
         kernels: str = "auto"    # auto (Triton on CUDA when installed) | torch | triton
+        accepts_dropped_pairs: ClassVar[bool] = True
 
         def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
             super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
@@ -98,7 +100,8 @@ class OccultDispatcher(SplitDispatcher):
         # device-to-host sync: split sizes must be Python ints for the collective
         send_P = brim0.send_P.tolist()
         recv_P = exchange_counts(brim0.send_P.view(-1, 1), self.ep, Exchange(layer, "counts", rec)).flatten().tolist()
-        recv_RX = all_to_all_rows(sfd_RX, send_P, recv_P, self.ep, Exchange(layer, "dispatch", rec, meta_cols=e))
+        recv_RX = all_to_all_rows(sfd_RX, send_P, recv_P, self.ep, Exchange(layer, "dispatch", rec, meta_cols=e),
+                                  self.config.payload_of("dispatch"))
         with span(rec, layer, "occult_index"):
             recv_RD, w_recv_Re = recv_RX[:, :D], recv_RX[:, D:]
             brim1 = build_brim1(uses_of(w_recv_Re))
@@ -124,7 +127,7 @@ class OccultDispatcher(SplitDispatcher):
             else:
                 merged_RD = scatter_add_rows(R, handle.brim1.row_Q, y_QD)
         back_RD = all_to_all_rows(merged_RD, handle.recv_P, handle.send_P, self.ep,
-                                  Exchange(layer, "combine", rec))
+                                  Exchange(layer, "combine", rec), self.config.payload_of("combine"))
         with span(rec, layer, "occult_merge"):
             # SFD -> ORI at home: sum the copies of each token
             return scatter_add_rows(handle.num_tokens, handle.brim0.token_R, back_RD)

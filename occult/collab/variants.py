@@ -199,6 +199,9 @@ class _PruningDispatcher(OccultDispatcher):
         def is_exact(self) -> bool:
             return False
 
+        def lossless_options(self) -> dict:
+            return {}          # budget = world size would be, but the world size is the run's
+
         def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
             super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
             check_budget(self.budget, top_k, num_experts // world_size, world_size)

@@ -116,10 +116,14 @@ def devices_per_token(topk_ids_TK: torch.Tensor, placement: Placement) -> torch.
 
 
 def device_hits(topk_ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """hit_TP[t, p]: token t has at least one of its top-k experts on device p (bool [T, P])."""
-    T, dev = topk_ids_TK.shape[0], topk_ids_TK.device
+    """hit_TP[t, p]: token t has at least one of its top-k experts on device p (bool [T, P];
+    dropped pairs, id -1, hit nothing)."""
+    T, K = topk_ids_TK.shape
+    dev = topk_ids_TK.device
     hit_TP = torch.zeros(T, placement.num_devices, dtype=torch.bool, device=dev)
-    hit_TP[torch.arange(T, device=dev).unsqueeze(1), placement.device_E[topk_ids_TK]] = True
+    keep_TK = topk_ids_TK >= 0
+    tok_TK = torch.arange(T, device=dev).unsqueeze(1).expand(T, K)
+    hit_TP[tok_TK[keep_TK], placement.device_E[topk_ids_TK[keep_TK]]] = True
     return hit_TP
 
 
@@ -148,10 +152,15 @@ def intra_ratio(topk_ids_TK: torch.Tensor, placement: Placement) -> float:
     K = topk_ids_TK.shape[1]
     if topk_ids_TK.shape[0] == 0 or K < 2:
         return float("nan")
-    dev_TK = placement.device_E[topk_ids_TK]
-    same_TKK = dev_TK.unsqueeze(2) == dev_TK.unsqueeze(1)
-    pairs = topk_ids_TK.shape[0] * K * (K - 1)
-    return (same_TKK.sum().item() - topk_ids_TK.shape[0] * K) / pairs
+    keep_TK = topk_ids_TK >= 0                      # dropped pairs (id -1) pair with nothing
+    dev_TK = placement.device_E[topk_ids_TK.clamp_min(0)]
+    both_TKK = keep_TK.unsqueeze(2) & keep_TK.unsqueeze(1)
+    same_TKK = (dev_TK.unsqueeze(2) == dev_TK.unsqueeze(1)) & both_TKK
+    kept_T = keep_TK.sum(1)
+    pairs = int((kept_T * (kept_T - 1)).sum())
+    if pairs == 0:
+        return float("nan")
+    return (same_TKK.sum().item() - int(kept_T.sum())) / pairs
 
 
 def ct_bounds(num_experts: int, top_k: int, world_size: int) -> tuple[int, int]:

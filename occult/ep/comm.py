@@ -40,8 +40,9 @@ class Exchange:
 
 
 def _exchange(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where: Exchange,
-              direction: str) -> torch.Tensor:
-    """One all-to-all of rows; ``send_P[j]`` rows go to rank j, ``recv_P[j]`` come from rank j."""
+              direction: str, meta_row_bytes: Optional[int] = None) -> torch.Tensor:
+    """One all-to-all of rows; ``send_P[j]`` rows go to rank j, ``recv_P[j]`` come from rank j.
+    ``meta_row_bytes``: of each row's bytes, the metadata (default: ``where.meta_cols`` values)."""
     rec = where.recorder
     wait = barrier(ep) if rec is not None and rec.sync_collectives else 0.0
     t0 = clock()
@@ -57,7 +58,8 @@ def _exchange(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where
         row_bytes = int(torch.Size(x_RD.shape[1:]).numel() * x_RD.element_size())
         rec.log_collective(layer=where.layer, phase=where.phase, direction=direction, rows_P=send_P,
                            row_bytes=row_bytes, seconds=seconds, wait_seconds=wait,
-                           meta_row_bytes=where.meta_cols * x_RD.element_size(), raw_seconds=raw)
+                           meta_row_bytes=(where.meta_cols * x_RD.element_size() if meta_row_bytes is None
+                                           else meta_row_bytes), raw_seconds=raw)
     return out
 
 
@@ -85,10 +87,40 @@ class _AllToAllRows(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+class _CompressedRows(torch.autograd.Function):
+    """The all-to-all of rows whose hidden values cross in a compressed payload
+    (:mod:`occult.ep.payload`) and whose trailing ``where.meta_cols`` values cross exactly;
+    the backward sends the gradients the same way."""
+
+    @staticmethod
+    def forward(ctx, x_RX, send_P, recv_P, ep, where, payload):
+        ctx.args = (send_P, recv_P, ep, where, payload)
+        return _compressed(x_RX, send_P, recv_P, ep, where, payload, "forward")
+
+    @staticmethod
+    def backward(ctx, grad_RX):
+        send_P, recv_P, ep, where, payload = ctx.args
+        return _compressed(grad_RX, recv_P, send_P, ep, where, payload, "backward"), None, None, None, None, None
+
+
+def _compressed(x_RX, send_P, recv_P, ep, where, payload, direction):
+    from .payload import decode, encode, meta_bytes_per_row
+    X = where.meta_cols
+    D = x_RX.shape[1] - X
+    wire_RW = encode(x_RX[:, :D], payload, x_RX[:, D:])
+    got_RW = _exchange(wire_RW, send_P, recv_P, ep, where, direction, meta_row_bytes=meta_bytes_per_row(payload, X))
+    h_RD, meta_RX = decode(got_RW, payload, D, x_RX.dtype)
+    return torch.cat([h_RD, meta_RX.to(x_RX.dtype)], dim=1) if X else h_RD
+
+
 def all_to_all_rows(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup,
-                    where: Exchange) -> torch.Tensor:
-    """Variable-split all-to-all of rows, differentiable: [sum(send_P), ...] -> [sum(recv_P), ...]."""
+                    where: Exchange, payload: str = "fp32") -> torch.Tensor:
+    """Variable-split all-to-all of rows, differentiable: [sum(send_P), ...] -> [sum(recv_P), ...].
+    ``payload`` other than ``fp32`` (the rows as they are): the hidden values cross as
+    bf16, int8 or fp8 (:mod:`occult.ep.payload`), the metadata columns exactly."""
     send_P, recv_P = [int(s) for s in send_P], [int(r) for r in recv_P]
+    if payload != "fp32":
+        return _CompressedRows.apply(x_RD, send_P, recv_P, ep, where, payload)
     if x_RD.requires_grad:
         return _AllToAllRows.apply(x_RD, send_P, recv_P, ep, where)
     return _exchange(x_RD, send_P, recv_P, ep, where, "forward")

@@ -75,6 +75,8 @@ def reference_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK
     """
     out_TD = torch.zeros_like(x_TD)
     for expert in torch.unique(topk_ids_TK).tolist():
+        if expert < 0:                  # a dropped pair (a routing transform's NO_EXPERT)
+            continue
         tok, slot = torch.nonzero(topk_ids_TK == expert, as_tuple=True)
         y = swiglu(x_TD[tok], expert_weights["w_gate"][expert], expert_weights["w_up"][expert],
                    expert_weights["w_down"][expert])

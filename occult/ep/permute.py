@@ -15,13 +15,18 @@ def sort_pairs_by_destination(topk_ids_TK: torch.Tensor, placement: Placement
 
     Returns ``order_R`` (indices into the flattened [T*K] pairs; ``order_R // K``
     is the token) and ``send_Pe``, the number of pairs for each destination
-    device and local expert: shape [P, e].
+    device and local expert: shape [P, e]. Dropped pairs (id ``NO_EXPERT``) are left out
+    of ``order_R``.
     """
     P, e = placement.num_devices, placement.num_local
-    key_R = (placement.device_E[topk_ids_TK] * e + placement.slot_E[topk_ids_TK]).flatten()
+    ids = topk_ids_TK.clamp_min(0)
+    key_R = (placement.device_E[ids] * e + placement.slot_E[ids]).flatten()
+    dropped_R = (topk_ids_TK < 0).flatten()
+    key_R = torch.where(dropped_R, torch.full_like(key_R, P * e), key_R)     # dropped pairs sort last
     order_R = torch.argsort(key_R, stable=True)
-    send_Pe = torch.bincount(key_R, minlength=P * e).view(P, e)
-    return order_R, send_Pe
+    counts = torch.bincount(key_R, minlength=P * e + 1)
+    send_Pe = counts[:P * e].view(P, e)
+    return order_R[:key_R.numel() - int(counts[P * e])], send_Pe
 
 
 def expert_major_order(recv_Pe: torch.Tensor) -> torch.Tensor:

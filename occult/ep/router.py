@@ -13,7 +13,10 @@ from .placement import Placement
 
 # A routing transform rewrites a token's expert choice after the router (the
 # hook collaboration pruning uses): (probs_TE, topk_ids_TK, topk_weights_TK,
-# placement) -> (topk_ids_TK, topk_weights_TK). ``None`` means identity.
+# placement) -> (topk_ids_TK, topk_weights_TK). ``None`` means identity. A transform
+# may drop pairs: an id of NO_EXPERT (weight 0) is a slot the token does not use;
+# systems that accept dropped pairs say so (``SystemConfig.accepts_dropped_pairs``).
+NO_EXPERT = -1
 RoutingTransform = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Placement],
                             tuple[torch.Tensor, torch.Tensor]]
 

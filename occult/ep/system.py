@@ -59,6 +59,8 @@ class SystemConfig:
 
     # whether build() makes a dispatcher (False: the model's own MoE blocks, no EP)
     expert_parallel: ClassVar[bool] = True
+    # whether the system takes routing with dropped pairs (ids = occult.ep.router.NO_EXPERT)
+    accepts_dropped_pairs: ClassVar[bool] = False
 
     def system_class(self) -> type:
         """The class that ``_target_`` names."""
@@ -100,6 +102,12 @@ class SystemConfig:
         """Whether the system with these options returns exactly top-k MoE (False for
         schemes that drop tokens or change the routing)."""
         return self.system_class().exact
+
+    def lossless_options(self) -> dict:
+        """For a lossy system: the options that switch its loss off (with them it must be
+        exact, and the parity suite checks it against the reference); ``{}`` when it
+        is exact already or its loss cannot be switched off."""
+        return {}
 
     def layer_placement(self, layer: int, num_experts: int, world_size: int) -> Placement:
         """The placement of MoE layer ``layer`` (contiguous unless a system says otherwise,

@@ -17,21 +17,28 @@ def parity_gate(ctx, system, num_experts: int, top_k: int, routing: str,
                 placement: Optional[Placement] = None) -> list:
     """Checks ``system`` (a system config or its dict) against the single-device reference
     on a small float64 problem with the run's E, K, P and placement; raises if it disagrees.
+    A lossy system is checked with its loss switched off (``lossless_options``; row
+    ``loss_off_parity``); one whose loss cannot be switched off is not checked.
 
     Returns result rows with the relative errors.
     """
     config = system_config(system)
     case = LayerCase(num_experts, top_k, tuple([32] * ctx.world_size),
                      routing="router" if routing == "router" else "uniform", seed=12345)
+    rows = []
     if not config.is_exact():
-        # a scheme that drops tokens or changes the routing is not top-k MoE by design
-        return [row("parity_checked", 0.0, "bool", rank=ctx.rank)]
+        off = config.lossless_options()
+        if not off:
+            # a scheme that drops tokens or changes the routing is not top-k MoE by design
+            return [row("parity_checked", 0.0, "bool", rank=ctx.rank)]
+        config = system_config({"name": config.name, "_target_": config._target_, **config.options(), **off})
+        rows.append(row("loss_off_parity", 1.0, "bool", rank=ctx.rank))
     res = check_layer(ctx, config, case, placement)
     bad = {k: v for k, v in res["errors"].items() if not v <= PARITY_TOL["float64"]}
     if bad:
         raise AssertionError(f"system={config.name} disagrees with the single-device reference "
                              f"(relative errors {bad}); nothing was timed")
-    return [row("parity_checked", 1.0, "bool", rank=ctx.rank)] + \
+    return rows + [row("parity_checked", 1.0, "bool", rank=ctx.rank)] + \
         [row(f"parity_{k}", v, "ratio", rank=ctx.rank) for k, v in res["errors"].items()]
 
 

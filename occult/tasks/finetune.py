@@ -22,9 +22,13 @@ pruning, same frozen set); no fine-tuning is ``task.steps=0``.
 
 Rows (``rank=-1``, over all ranks): ``eval_loss``, ``eval_perplexity``,
 ``eval_accuracy``, ``eval_tokens`` with ``phase`` = the evaluation corpus;
+``eval_remote_bytes`` (bytes sent to other ranks while evaluating, all ranks, at their
+wire size) and ``eval_time`` (s, the slowest rank) with ``phase`` = the corpus;
 ``ct_all``, ``ct_remote`` per MoE layer and corpus; ``train_loss`` per step
 (``sample`` = step, mean over ranks); ``finetune_time``, ``trainable_params``,
-``frozen_params``.
+``frozen_params``. With ``task.timing_iters > 0``, a timed prefill of the fine-tuned model
+(:func:`timing_probe`) adds the rows of ``task=prefill`` (``ttft``, ``a2a_time``,
+``bytes``, ``rows``, and ``ct_all`` etc. with an empty ``phase``).
 
 Shapes: B sequences per rank, S sequence length, V vocabulary, T tokens, K top-k.
 """
@@ -42,7 +46,7 @@ from tqdm import tqdm
 from ..data.batches import batch_iterator, eval_batches, num_eval_windows, token_ids
 from ..ep import Recorder, devices_per_token
 from ..ep.accounting import recording
-from ..ep.measure import clock, slowest
+from ..ep.measure import clock, iterations, slowest
 from ..models.ep_block import EPMoEBlock
 from ..models.families import family_of
 from ..models.runtime import expert_parameters, sync_gradients
@@ -157,6 +161,7 @@ def evaluate_rank_model(ctx, model: nn.Module, ids_N: torch.Tensor, seq_len: int
     model.eval()
     rec = Recorder(rank=ctx.rank)
     total, correct, n = 0.0, 0, 0
+    t0 = clock()
     with recording(rec):
         for x_BS, y_BS in eval_batches(ids_N, EVAL_WINDOWS_PER_BATCH, seq_len):
             x_BS, y_BS = x_BS.to(ctx.device), y_BS.to(ctx.device)
@@ -164,6 +169,10 @@ def evaluate_rank_model(ctx, model: nn.Module, ids_N: torch.Tensor, seq_len: int
             total += nnf.cross_entropy(logits_BSV.flatten(0, 1).float(), y_BS.flatten(), reduction="sum").item()
             correct += (logits_BSV.argmax(-1) == y_BS).sum().item()
             n += y_BS.numel()
+    seconds = slowest(ctx.ep, clock() - t0)
+    remote = torch.tensor([remote_bytes(rec, ctx.rank)], dtype=torch.float64, device=ctx.device)
+    if ctx.world_size > 1:
+        dist.all_reduce(remote, group=ctx.ep.group)
     layers = sorted({layer for layer, *_ in rec.routing})
     # per layer: distinct devices (all), distinct remote devices, tokens
     sums = torch.zeros(len(layers) + 1, 3, dtype=torch.float64, device=ctx.device)
@@ -179,9 +188,31 @@ def evaluate_rank_model(ctx, model: nn.Module, ids_N: torch.Tensor, seq_len: int
     total, correct, n = sums[-1].tolist()
     loss = total / max(n, 1.0)
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": correct / max(n, 1.0),
-            "tokens": int(n),
+            "tokens": int(n), "remote_bytes": float(remote.item()), "seconds": seconds,
             "ct_all": {layer: float(sums[i, 0] / sums[i, 2]) for i, layer in enumerate(layers)},
             "ct_remote": {layer: float(sums[i, 1] / sums[i, 2]) for i, layer in enumerate(layers)}}
+
+
+def remote_bytes(rec: Recorder, rank: int) -> float:
+    """Bytes this rank sent to other ranks in the recorder's collectives (as they crossed:
+    compressed payloads at their wire size)."""
+    return float(sum(n * ev.row_bytes for ev in rec.comm for dst, n in enumerate(ev.rows_P) if dst != rank))
+
+
+def timing_probe(ctx, cfg, tok, model) -> list:
+    """``task.timing_iters`` timed prefill forwards of the fine-tuned model (after one
+    warm-up; :class:`occult.tasks.model.PrefillWorkload`, ``task.batch_size`` sequences per
+    rank), then the last one's collectives and routing: the rows the benchmarks and the
+    cost model read (``ttft``, ``a2a_time``, ``bytes``, ``tokens``)."""
+    from .model import PrefillWorkload
+    from .common import comm_rows, routing_rows
+
+    work = PrefillWorkload(ctx, cfg, tok, model)
+    rec = Recorder(rank=ctx.rank)
+    rows = []
+    for sample in iterations(ctx.ep, 1, cfg.task.timing_iters, before=rec.clear):
+        rows += work.step(rec, sample)
+    return rows + comm_rows(rec) + routing_rows(ctx, rec, _placements(model))
 
 
 def _placements(model: nn.Module) -> dict:
@@ -226,7 +257,10 @@ def run_rank(ctx, cfg_dict: dict) -> list:
         if ctx.rank == 0:
             r = results[corpus]
             print(f"eval {corpus}: loss {r['loss']:.4f} ppl {r['perplexity']:.2f} acc {r['accuracy']:.4f} "
-                  f"C_T {sum(r['ct_all'].values()) / len(r['ct_all']):.3f}", flush=True)
+                  f"C_T {sum(r['ct_all'].values()) / len(r['ct_all']):.3f} "
+                  f"remote {r['remote_bytes'] / max(r['tokens'], 1):.0f} B/token", flush=True)
+    if t.timing_iters:
+        rows += timing_probe(ctx, cfg, tok, model)
     if ctx.rank != 0:
         return rows
     trainable = sum(p.numel() for block in moe_modules(model, fam) for p in block.parameters())
@@ -238,7 +272,9 @@ def run_rank(ctx, cfg_dict: dict) -> list:
         rows += [row("eval_loss", r["loss"], "nats/token", phase=corpus),
                  row("eval_perplexity", r["perplexity"], "ratio", phase=corpus),
                  row("eval_accuracy", r["accuracy"], "ratio", phase=corpus),
-                 row("eval_tokens", r["tokens"], "tokens", phase=corpus)]
+                 row("eval_tokens", r["tokens"], "tokens", phase=corpus),
+                 row("eval_remote_bytes", r["remote_bytes"], "bytes", phase=corpus),
+                 row("eval_time", r["seconds"], "s", phase=corpus)]
         for layer in sorted(r["ct_all"]):
             rows += [row("ct_all", r["ct_all"][layer], "devices/token", layer=layer, phase=corpus),
                      row("ct_remote", r["ct_remote"][layer], "devices/token", layer=layer, phase=corpus)]

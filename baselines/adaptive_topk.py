@@ -1,0 +1,107 @@
+"""system=adaptive_topk: AdapMoE's sensitivity-based gating, as a routing transform on
+another system's dispatcher.
+
+Each token keeps only as many of its top-k experts as its router scores need: the
+token's experts sorted by gate weight, it keeps the shortest prefix whose weights hold
+at least ``1 - threshold`` of its top-k weight (at least one expert); the others become
+dropped pairs (id ``NO_EXPERT``, weight 0), which the wrapped system does not send. So
+a token confident in its first experts uses fewer (token, expert) pairs and often
+fewer devices. The kept experts keep their gate weights (no renormalisation), so a
+dropped pair removes exactly its own weighted contribution. ``threshold = 0`` keeps
+every expert: the wrapped system, exact.
+
+My reading of AdapMoE (its "sensitivity" ranks how much a layer's output moves when
+an expert is dropped; the gate weight is the first-order proxy used here): the
+number of experts is decided per token from its own scores, with one threshold per
+model (not learned, not per layer).
+
+``base``: the system whose dispatcher runs the layer (one of :data:`BASES`, the systems
+that accept dropped pairs). Shapes: T tokens, K top-k, E experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+
+from occult.ep import Dispatcher, SystemConfig, import_object, system_config
+from occult.ep.router import NO_EXPERT
+
+BASES = {"naive": "baselines.naive.NaiveDispatcher", "occult": "occult.collab.dispatcher.OccultDispatcher",
+         "megablocks": "baselines.megablocks.MegaBlocksDispatcher"}
+
+
+def adaptive_keep(topk_weights_TK: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Which of each token's top-k pairs it keeps: bool [T, K]; the heaviest first, until
+    they hold ``1 - threshold`` of the token's top-k weight (always at least one)."""
+    w_TK = topk_weights_TK.detach().float()
+    order_TK = torch.argsort(w_TK, dim=1, descending=True, stable=True)
+    sorted_TK = w_TK.gather(1, order_TK)
+    total_T1 = sorted_TK.sum(1, keepdim=True).clamp_min(1e-30)
+    before_TK = (torch.cumsum(sorted_TK, 1) - sorted_TK) / total_T1      # share held before each expert
+    keep_sorted_TK = before_TK < 1.0 - threshold - 1e-12
+    keep_sorted_TK[:, 0] = True
+    return torch.zeros_like(keep_sorted_TK).scatter(1, order_TK, keep_sorted_TK)
+
+
+class AdaptiveTopK:
+    """The routing transform: drop each token's pairs beyond :func:`adaptive_keep`."""
+
+    def __init__(self, threshold: float, inner=None):
+        self.threshold, self.inner = threshold, inner
+
+    def __call__(self, probs_TE, topk_ids_TK, topk_weights_TK, placement):
+        if self.inner is not None:
+            topk_ids_TK, topk_weights_TK = self.inner(probs_TE, topk_ids_TK, topk_weights_TK, placement)
+        keep_TK = adaptive_keep(topk_weights_TK, self.threshold)
+        ids_TK = torch.where(keep_TK, topk_ids_TK, torch.full_like(topk_ids_TK, NO_EXPERT))
+        return ids_TK, topk_weights_TK * keep_TK.to(topk_weights_TK.dtype)
+
+
+class AdaptiveTopKDispatcher(Dispatcher):
+    """``base``'s dispatcher with AdapMoE's adaptive top-k in front of it."""
+
+    impl = "harness"
+    exact = False
+
+    @dataclass
+    class Config(SystemConfig):
+        base: str = "occult"        # the system that runs the layer: naive | occult | megablocks
+        threshold: float = 0.1      # share of a token's top-k weight it may drop (0: keep all, exact)
+        base_options: Dict[str, Any] = field(default_factory=dict)   # the base system's options
+
+        def base_config(self) -> SystemConfig:
+            return system_config({"name": self.base, "_target_": BASES[self.base], **self.base_options})
+
+        def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+            if self.base not in BASES:
+                raise ValueError(f"system.base={self.base!r}: allowed values are {sorted(BASES)} (the systems that "
+                                 "take dropped pairs)")
+            if not 0.0 <= self.threshold < 1.0:
+                raise ValueError(f"system.threshold={self.threshold!r}: allowed values are 0 <= threshold < 1 "
+                                 "(0 keeps every expert)")
+            self.base_config().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+
+        def is_exact(self) -> bool:
+            return self.threshold == 0 and self.base_config().is_exact()
+
+        def lossless_options(self) -> dict:
+            base_off = self.base_config().lossless_options()
+            return {"threshold": 0.0, **({"base_options": {**self.base_options, **base_off}} if base_off else {})}
+
+        def impl_for(self, world_size: int) -> str:
+            return self.base_config().impl_for(world_size)
+
+    def __init__(self, ep, placement, config):
+        super().__init__(ep, placement, config)
+        base = config.base_config()
+        self.inner = import_object(base._target_)(ep, placement, base)
+
+    def routing_transform(self, layer: int) -> Optional[AdaptiveTopK]:
+        return AdaptiveTopK(self.config.threshold, self.inner.routing_transform(layer))
+
+    def forward_moe(self, x_TD, topk_ids_TK, topk_weights_TK, experts, *, layer=0, recorder=None):
+        if recorder is not None:
+            recorder.log_counter(layer, "dropped_pairs", int((topk_ids_TK < 0).sum()))
+        return self.inner.forward_moe(x_TD, topk_ids_TK, topk_weights_TK, experts, layer=layer, recorder=recorder)

@@ -1,0 +1,106 @@
+"""The lossy systems (compressed payloads, lsh, adaptive_topk): their bytes are what
+they claim (by hand), they compute what their docstrings state (against independent
+single-device statements), and their options are checked. With their loss switched
+off they are in the parity suite (tests/systems.py, ``lossless_options``).
+
+Shapes: D hidden, e local experts.
+"""
+import numpy as np
+import pytest
+
+from occult.dist import launch
+from occult.ep import system_config
+from occult.errors import ConfigError
+from occult.parity import LayerCase
+
+from lossy_helpers import lossy_world
+from systems import system
+
+P, E, D = 2, 8, 16
+e = E // P
+NAIVE, OCCULT = "baselines.naive.NaiveDispatcher", "occult.collab.dispatcher.OccultDispatcher"
+LSH, ADAPTIVE = "baselines.lsh.LSHDispatcher", "baselines.adaptive_topk.AdaptiveTopKDispatcher"
+
+# (system, hand-computed wire bytes per row of: dispatch, combine; the tolerance of the output)
+PAYLOAD_CASES = [
+    (system(NAIVE, payload="int8"), D + 4, D + 4, 4e-2),
+    (system(NAIVE, payload="bf16"), 2 * D, 2 * D, 2e-2),
+    (system(NAIVE, payload="fp8", combine_payload="bf16"), D + 4, 2 * D, 0.15),
+    (system(OCCULT, payload="int8"), D + 4 + 4 * e, D + 4, 4e-2),      # + e float32 gate weights
+    (system(OCCULT, payload="bf16"), 2 * D + 4 * e, 2 * D, 2e-2),
+    (system(OCCULT, payload="fp8"), D + 4 + 4 * e, D + 4, 0.15),
+]
+PAYLOAD_CASE = LayerCase(E, 2, (20, 13), hidden=D, routing="router", seed=11, dtype="float32")
+LSH_CASE = LayerCase(E, 2, (40, 33), hidden=D, routing="uniform", seed=12)
+ADAPTIVE_CASE = LayerCase(E, 4, (30, 21), hidden=D, routing="router", seed=13)
+LOSSY_JOBS = ([("lsh", system(LSH, bits=b), LSH_CASE) for b in (0, 1, 3)]
+              + [("adaptive", system(ADAPTIVE, base=b, threshold=0.3), ADAPTIVE_CASE)
+                 for b in ("naive", "occult", "megablocks")])
+
+
+@pytest.fixture(scope="module")
+def world():
+    grid = [(s, PAYLOAD_CASE, None) for s, *_ in PAYLOAD_CASES]
+    return launch(lossy_world, P, (grid, LOSSY_JOBS), timeout_s=240, collective_timeout_s=60)
+
+
+@pytest.mark.timeout(300)
+def test_compressed_payload_bytes_by_hand(world):
+    for rank, (grid, _) in enumerate(world):
+        for (sysd, dispatch_bytes, combine_bytes, tol), res in zip(PAYLOAD_CASES, grid):
+            want = {"dispatch": dispatch_bytes, "combine": combine_bytes}
+            seen = set()
+            for ev in res["comm"]:
+                if ev.phase in want:
+                    # rows x (D values at the payload's size + its scale + metadata), both passes
+                    assert ev.row_bytes == want[ev.phase], (sysd, ev)
+                    seen.add((ev.phase, ev.direction))
+            assert seen == {(p, d) for p in want for d in ("forward", "backward")}, (sysd, seen)
+            errs = res["errors"]
+            assert 0 < errs["out"] <= tol, (sysd, errs)          # lossy, within the payload's precision
+            assert errs["grad_x"] <= 2 * tol and errs["grad_w_down"] <= 2 * tol, (sysd, errs)
+
+
+@pytest.mark.timeout(300)
+def test_lsh_and_adaptive_compute_what_they_state(world):
+    for rank, (_, checks) in enumerate(world):
+        for (kind, sysd, case), res in zip(LOSSY_JOBS, checks):
+            assert res["err"] <= 1e-9, (rank, sysd, res)
+            assert res["grad_finite"], (rank, sysd, res)
+            if kind == "lsh" and sysd["bits"] == 0:
+                assert res["sent_rows"] == res["pairs"], res        # every pair its own bucket
+            elif kind == "lsh":
+                assert 0 < res["sent_rows"] < res["pairs"], res     # centroids: fewer rows than pairs
+            else:
+                assert res["kept_pairs"] < res["pairs"], res        # threshold 0.3 drops pairs
+                if sysd["base"] != "occult":                        # one row per kept pair
+                    assert res["sent_rows"] == res["kept_pairs"], res
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"_target_": NAIVE, "payload": "int4"}, "system.payload"),
+    ({"_target_": OCCULT, "combine_payload": "fp16"}, "system.combine_payload"),
+    ({"_target_": LSH, "bits": 17}, "system.bits"),
+    ({"_target_": ADAPTIVE, "threshold": 1.0}, "system.threshold"),
+    ({"_target_": ADAPTIVE, "base": "tutel"}, "system.base"),
+    ({"_target_": ADAPTIVE, "base_options": {"payload": "int4"}}, "system.payload"),
+])
+def test_lossy_options_are_checked(options, field):
+    options = dict(options)
+    with pytest.raises((ValueError, ConfigError), match=field):
+        target = options.pop("_target_")
+        system_config(system(target, **options)).check(num_experts=E, top_k=2, world_size=P)
+
+
+def test_compressed_rows_keep_their_size_in_projections():
+    from analysis.costmodel import wire_matrix
+    rows, D_run, D_target = 10, 16, 64
+    meta = np.full((2, 2), rows / 4 * 8.0)             # scale + 1 weight per row, float32
+    int8 = np.full((2, 2), rows / 4 * D_run * 1.0)     # 1 byte per element
+    fp32 = np.full((2, 2), rows / 4 * D_run * 4.0)
+    # int8 onto a bf16 target: still 1 byte per element, scale and weights as they were
+    assert np.allclose(wire_matrix(int8, meta, rows, D_run, D_target, 2), rows / 4 * D_target + meta)
+    # float32 onto bf16: 2 bytes per element, metadata values at 2 bytes too
+    assert np.allclose(wire_matrix(fp32, meta, rows, D_run, D_target, 2), rows / 4 * D_target * 2 + meta / 2)
+    # rows that are not hidden-state rows keep their bytes
+    assert wire_matrix(fp32 * 1000, meta, rows, D_run, D_target, 2) is None
