@@ -7,16 +7,15 @@ import torch
 import torch.distributed as dist
 
 from ..ep import Placement, Recorder, ct_all, ct_remote, intra_ratio, system_config
-from ..parity import LayerCase, check_layer
+from ..parity import TOLERANCE, LayerCase, check_layer, disagreements
 from ..records import row
-
-PARITY_TOL = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 2e-2}
 
 
 def parity_gate(ctx, system, num_experts: int, top_k: int, routing: str,
                 placement: Optional[Placement] = None) -> list:
     """Checks ``system`` (a system config or its dict) against the single-device reference
-    on a small float64 problem with the run's E, K, P and placement; raises if it disagrees.
+    on a small float64 problem with the run's E, K, P and placement, to the tolerance of
+    the system's precision (:func:`occult.parity.disagreements`); raises if it disagrees.
 
     Returns result rows with the relative errors.
     """
@@ -27,10 +26,12 @@ def parity_gate(ctx, system, num_experts: int, top_k: int, routing: str,
         # a scheme that drops tokens or changes the routing is not top-k MoE by design
         return [row("parity_checked", 0.0, "bool", rank=ctx.rank)]
     res = check_layer(ctx, config, case, placement)
-    bad = {k: v for k, v in res["errors"].items() if not v <= PARITY_TOL["float64"]}
+    bad = disagreements(res, config)
     if bad:
+        rel_tol, abs_tol = TOLERANCE[config.precision]
         raise AssertionError(f"system={config.name} disagrees with the single-device reference "
-                             f"(relative errors {bad}); nothing was timed")
+                             f"(relative errors {bad}; tolerance for {config.precision}: relative "
+                             f"{rel_tol:g}, absolute {abs_tol:g}); nothing was timed")
     return [row("parity_checked", 1.0, "bool", rank=ctx.rank)] + \
         [row(f"parity_{k}", v, "ratio", rank=ctx.rank) for k, v in res["errors"].items()]
 
