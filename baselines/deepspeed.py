@@ -89,7 +89,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from baselines.tutel import queue_positions
+from baselines.tutel_harness import queue_positions
 from occult.ep import Dispatcher, Exchange, Recorder, SystemConfig, exchange_counts
 from occult.ep.accounting import span
 from occult.ep.observe import CallTrace, probe
