@@ -11,7 +11,7 @@ TUTEL_WHEELS ?= ../shared/wheels
 TUTEL_COMMIT := 82af7aad9fc3ec981395ba97e7242a480984a55e
 TUTEL_SOURCE ?= git+https://github.com/microsoft/tutel@$(TUTEL_COMMIT)
 
-.PHONY: run test test-all test-triton bench venv clean
+.PHONY: run test test-all test-triton bench gpu-check venv clean
 
 venv: $(STAMP)
 
@@ -56,6 +56,13 @@ test-triton: $(STAMP)
 # Benchmarks: ratios between systems measured in the same run.
 bench: $(STAMP)
 	$(PY) run.py experiment=bench
+
+# Everything that needs a GPU, on one GPU (about 8 minutes on an H200): one results file
+# under runs/gpu_check/ (Triton kernels, MegaBlocks' dMoE, a one-rank NCCL world, GEMM and
+# memory throughput, a measured projection profile). Needs CUDA and the GPU extras.
+gpu-check: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[gpu]'
+	$(PY) -m occult.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -7,6 +7,7 @@ the one way an experiment attaches its report (:mod:`analysis.figures`).
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -20,6 +21,8 @@ class SweepReport(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        if os.environ.get("RANK", "0") != "0":       # under torchrun every rank runs the sweep; rank 0 reports
+            return
         if not any(sweep_dir.rglob("results.parquet")):
             return
         from .report import write_report

@@ -70,6 +70,7 @@ class Link:
     devices_per_node: int = 0          # 0: all ranks in one node
     flops: float = float("inf")        # achieved matmul FLOP/s per device
     expert_call_s: float = 0.0         # overhead per local expert per pass (measured on the CPU)
+    memory_Bps: float = float("inf")   # device memory bandwidth (inf: experts are compute-bound)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ def _link_from_fields(c: dict) -> Link:
                 inter_latency_s=float(c.get("inter_node_latency_us", 0.0)) * 1e-6,
                 inter_Bps=inter_share * 1e9 * eff if inter_share else float("inf"),
                 devices_per_node=per_node,
-                flops=float(c.get("device_TFLOPs", 0.0)) * 1e12 * ceff or float("inf"))
+                flops=float(c.get("device_TFLOPs", 0.0)) * 1e12 * ceff or float("inf"),
+                memory_Bps=float(c.get("memory_GBps", 0.0)) * 1e9 or float("inf"))
 
 
 def profile_from_dict(c: dict) -> Profile:
@@ -190,12 +192,17 @@ def swiglu_flops(rows: float, hidden: int, ffn: int, backward: bool = False) -> 
 
 
 def expert_seconds(rows_P, hidden: int, ffn: int, link: Link, backward: bool = False,
-                   local_experts: int = 0) -> float:
-    """Projected expert time: the busiest rank's FLOPs over the device's achieved throughput,
-    plus the profile's per-expert overhead for each of the ``local_experts`` (x2 backward)."""
+                   local_experts: int = 0, element_bytes: int = 2) -> float:
+    """Projected expert time: the busiest rank's FLOPs over the device's achieved throughput
+    or, when the profile gives a memory bandwidth, the bytes its experts read and write
+    over it if that takes longer (a roofline: few rows per expert are memory-bound); plus
+    the profile's per-expert overhead for each of the ``local_experts`` (x2 backward)."""
     rows_P = np.asarray(rows_P, dtype=float)
-    flops = swiglu_flops(float(rows_P.max()) if rows_P.size else 0.0, hidden, ffn, backward)
-    return flops / link.flops + (2 if backward else 1) * local_experts * link.expert_call_s
+    rows = float(rows_P.max()) if rows_P.size else 0.0
+    passes = 2 if backward else 1
+    compute_s = swiglu_flops(rows, hidden, ffn, backward) / link.flops
+    moved = passes * (local_experts * 3 * hidden * ffn + rows * (2 * hidden + 3 * ffn)) * element_bytes
+    return max(compute_s, moved / link.memory_Bps) + passes * local_experts * link.expert_call_s
 
 
 # ---------------------------------------------------------------------------
@@ -303,10 +310,12 @@ def project_run(run: pd.DataFrame, profile: Profile, target: Optional[Target] = 
         rows_P = _expert_rows(run, layer)
         e = int(run.num_experts.iloc[0]) // P
         out.append({"layer": layer, "component": "experts", "pass": "forward",
-                    "ms": expert_seconds(rows_P, D, F, link, local_experts=e) * 1e3})
+                    "ms": expert_seconds(rows_P, D, F, link, local_experts=e,
+                                         element_bytes=profile.element_bytes) * 1e3})
         if backward:
             out.append({"layer": layer, "component": "experts", "pass": "backward",
-                        "ms": expert_seconds(rows_P, D, F, link, backward=True, local_experts=e) * 1e3})
+                        "ms": expert_seconds(rows_P, D, F, link, backward=True, local_experts=e,
+                                             element_bytes=profile.element_bytes) * 1e3})
     per_layer = pd.DataFrame(out)
     n_layers = target.moe_layers if target and target.moe_layers else len(layers)
     mean_layer = per_layer.groupby("layer").ms.sum().mean() if not per_layer.empty else 0.0

@@ -201,8 +201,8 @@ def deepspeed_capacity(sharded_moe, capacity_factor: float, min_capacity: int, t
     if capacity_factor == 0:
         return max(max_need, 1)
     shape_TE = torch.empty((max_tokens, num_experts), device="meta")    # _capacity reads the shape only
-    return int(sharded_moe._capacity(shape_TE, torch.tensor(capacity_factor * top_k),
-                                     torch.tensor(min_capacity)))
+    return int(sharded_moe._capacity(shape_TE, torch.tensor(capacity_factor * top_k, device="cpu"),
+                                     torch.tensor(min_capacity, device="cpu")))
 
 
 class _KMajor(torch.autograd.Function):
@@ -272,7 +272,7 @@ class _ExpertsAdapter(nn.Module):
         recv_PeCD = probe(recv_PeCD, lambda: tr.start("dispatch", "backward"))
         with span(tr.recorder, tr.layer, "experts"):
             rows_RD = recv_PeCD.transpose(0, 1).reshape(e * P * C, D)      # grouped by local expert
-            y_RD = self.experts(rows_RD, torch.full((e,), P * C, dtype=torch.long))
+            y_RD = self.experts(rows_RD, torch.full((e,), P * C, dtype=torch.long, device=rows_RD.device))
             y_PeCD = y_RD.view(e, P, C, D).transpose(0, 1)
         y_PeCD = probe(y_PeCD, lambda: tr.stop("combine", "backward"))
         tr.start("combine", "forward")
@@ -322,7 +322,8 @@ class DeepSpeedDispatcher(Dispatcher):
         P, E = self.ep.world_size, self.placement.num_experts
         T, K = topk_ids_TK.shape
         need_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=E)
-        mine_X = torch.tensor([T, int(need_E.max()) if need_E.numel() else 0], dtype=torch.long)
+        mine_X = torch.tensor([T, int(need_E.max()) if need_E.numel() else 0], dtype=torch.long,
+                              device=topk_ids_TK.device)
         every_PX = exchange_counts(mine_X.expand(P, 2).contiguous(), self.ep, Exchange(layer, "counts", recorder))
         max_tokens, max_need = every_PX.max(0).values.tolist()
         return deepspeed_capacity(self._sharded_moe, self.config.capacity_factor, self.config.min_capacity, K,

@@ -99,7 +99,7 @@ def new_home_device(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, pl
     """ExFlow's owner of each token after the layer: the device of its highest-weight
     expert (the first such slot on ties): shape [T] (long)."""
     if topk_ids_TK.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, dtype=torch.long, device=topk_ids_TK.device)
     top_T = topk_weights_TK.detach().argmax(dim=1, keepdim=True)
     return placement.device_E[topk_ids_TK.gather(1, top_T).squeeze(1)]
 
@@ -173,7 +173,8 @@ class ExFlowDispatcher(SplitDispatcher):
         (new home, home rank, token index). Returns the partial of every received row [R],
         each partial's new home [Z] and its (home rank, token index) [Z, 2]."""
         P = self.ep.world_size
-        src_R = torch.repeat_interleave(torch.arange(P), torch.tensor(recv_P, dtype=torch.long))
+        dev = index_recv_R2.device
+        src_R = torch.repeat_interleave(torch.arange(P, device=dev), torch.tensor(recv_P, dtype=torch.long, device=dev))
         token_R, dest_R = index_recv_R2[:, 0], index_recv_R2[:, 1]
         span_T = int(token_R.max()) + 1 if token_R.numel() else 1
         keys_Z, part_R = _group_keys((dest_R * P + src_R) * span_T + token_R)

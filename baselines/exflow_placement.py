@@ -79,9 +79,9 @@ def trace_routing(df, layer: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]
     if sel.empty:
         raise ValueError(f"routing trace: no rows for layer {layer}; layers: {sorted(df.layer.unique())}")
     K = int(sel.slot.max()) + 1
-    ids_TK = torch.tensor(sel.expert.to_numpy(), dtype=torch.long).view(-1, K)
+    ids_TK = torch.tensor(sel.expert.to_numpy(), dtype=torch.long, device="cpu").view(-1, K)
     weights = sel.weight.to_numpy()
-    weights_TK = None if np.isnan(weights).any() else torch.tensor(weights, dtype=torch.float64).view(-1, K)
+    weights_TK = None if np.isnan(weights).any() else torch.tensor(weights, dtype=torch.float64, device="cpu").view(-1, K)
     return ids_TK, weights_TK
 
 
@@ -401,8 +401,8 @@ def place_by_affinity(transitions: dict, num_experts: int, num_devices: int, *, 
     if not layers:
         raise ValueError("place_by_affinity: no MoE layers to place")
     t0 = time.perf_counter()
-    device_of = {layer: torch.full((num_experts,), -1, dtype=torch.long) for layer in layers}
-    queue = [({layer: torch.arange(num_experts) for layer in layers}, tuple(range(num_devices)))]
+    device_of = {layer: torch.full((num_experts,), -1, dtype=torch.long, device="cpu") for layer in layers}
+    queue = [({layer: torch.arange(num_experts, device="cpu") for layer in layers}, tuple(range(num_devices)))]
     reports = []
     programs_left = num_devices - 1
     while queue:
@@ -419,10 +419,10 @@ def place_by_affinity(transitions: dict, num_experts: int, num_devices: int, *, 
         queue += [(left_m, devices[:half]), (right_m, devices[half:])]
     placements = {}
     for layer in layers:
-        slot_E = torch.zeros(num_experts, dtype=torch.long)
+        slot_E = torch.zeros(num_experts, dtype=torch.long, device="cpu")
         for p in range(num_devices):
             ids = torch.nonzero(device_of[layer] == p).flatten()
-            slot_E[ids] = torch.arange(ids.numel())
+            slot_E[ids] = torch.arange(ids.numel(), device="cpu")
         placements[layer] = Placement(device_of[layer], slot_E, num_devices)
     return AffinityPlacement(placements, time.perf_counter() - t0, time_limit_s, reports)
 

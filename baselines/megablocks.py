@@ -28,16 +28,25 @@ never sent; the result stays exact (zero rows give zero outputs and zero weight
 gradients). ``block_size = 0`` (the default) is the grouped-GEMM path with no
 padding, whose dispatch and combine are naive EP's.
 
-Library: this is the harness's own implementation (``impl = "harness"``); the
-megablocks library is not driven by this harness. The megablocks package needs CUDA, and
-its layers own their router, expert weights and all-to-all, which the
-Dispatcher contract (shared experts, accounted collectives) leaves no room for.
+Library: with ``library`` = ``auto`` (the default) the system runs the megablocks
+library itself (``impl = "library"``) where it can: when megablocks imports (it needs
+CUDA: ``pip install -e '.[gpu]'``) and the run has one rank (EP=1). The library's
+``dMoE`` experts (``ParallelDroplessMLP``, grouped GLU with SiLU) then run on the
+harness's routing (its ``experts(x, scores, expert_weights, top_experts)`` entry, as
+``dMoE.forward`` calls it after its own router) with the harness's expert weights
+(views, so gradients reach them): w1 = W_gate^T, v1 = W_up^T, w2 = W_down per expert.
+Elsewhere (a CPU, or EP > 1, whose all-to-all the library would run unaccounted) it is
+the harness's implementation above (``impl = "harness"``); ``library: on`` insists on
+the library (refused where it cannot run), ``off`` never uses it. The library path
+has not been run on this project's CPU machines; ``make gpu-check`` runs it against
+the single-device reference on a GPU.
 
 Shapes: T tokens, K top-k, D hidden, P ranks, e local experts, R received
 rows grouped by local expert, B rows after block padding.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
@@ -66,8 +75,53 @@ def block_padded_rows(counts_e: torch.Tensor, block_size: int) -> tuple[torch.Te
     """
     padded_e = (counts_e + block_size - 1) // block_size * block_size
     shift_e = (torch.cumsum(padded_e, 0) - padded_e) - (torch.cumsum(counts_e, 0) - counts_e)
-    expert_R = torch.repeat_interleave(torch.arange(counts_e.numel()), counts_e)
-    return torch.arange(expert_R.numel()) + shift_e[expert_R], padded_e
+    expert_R = torch.repeat_interleave(torch.arange(counts_e.numel(), device=counts_e.device), counts_e)
+    return torch.arange(expert_R.numel(), device=counts_e.device) + shift_e[expert_R], padded_e
+
+
+LIBRARY_CHOICES = ("auto", "on", "off")
+
+
+def library_available() -> bool:
+    """Whether the megablocks library can run here (it imports only with CUDA)."""
+    if importlib.util.find_spec("megablocks") is None or not torch.cuda.is_available():
+        return False
+    try:
+        import megablocks.layers.dmoe  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001 - a broken or CUDA-less install
+        return False
+
+
+def make_library_experts(num_experts: int, top_k: int, experts, x_TD: torch.Tensor):
+    """The megablocks ``ParallelDroplessMLP`` (grouped GLU, SiLU, no bias, EP=1) on the
+    device and in the dtype of ``x_TD``; its own weights are replaced per call by views of
+    the harness's experts (:func:`library_experts`)."""
+    import torch.nn.functional as nnf
+    from megablocks.layers.arguments import Arguments
+    from megablocks.layers.dmoe import ParallelDroplessMLP
+
+    D, F = experts.w_gate.shape[1], experts.w_gate.shape[2]
+    args = Arguments(hidden_size=D, ffn_hidden_size=F, moe_num_experts=num_experts, moe_top_k=top_k,
+                     mlp_type="glu", mlp_impl="grouped", activation_fn=nnf.silu, bias=False, return_bias=False,
+                     moe_loss_weight=0.0, fp16=x_TD.dtype == torch.float16, bf16=x_TD.dtype == torch.bfloat16,
+                     device=x_TD.device)
+    module = ParallelDroplessMLP(args)
+    for name in ("w1", "v1", "w2"):       # the harness's weights stand in for the library's
+        delattr(module.mlp, name)
+    return module
+
+
+def library_experts(module, x_TD, topk_ids_TK, topk_weights_TK, experts) -> torch.Tensor:
+    """megablocks' dropless experts on the harness's routing and expert weights: [T, D] -> [T, D]
+    (gate weights applied inside, as every system does)."""
+    E, F, D = experts.w_gate.shape[0], experts.w_gate.shape[2], experts.w_gate.shape[1]
+    module.mlp.w1 = experts.w_gate.transpose(1, 2).reshape(E * F, D)      # [E*F, D]: W_gate^T per expert
+    module.mlp.v1 = experts.w_up.transpose(1, 2).reshape(E * F, D)        # W_up^T
+    module.mlp.w2 = experts.w_down.reshape(E * F, D)                      # W_down [F, D] per expert
+    scores = None                                                         # only its load-balancing loss reads it
+    out = module(x_TD.unsqueeze(1), scores, topk_weights_TK.to(x_TD.dtype), topk_ids_TK)
+    return out.view_as(x_TD)
 
 
 class MegaBlocksDispatcher(NaiveDispatcher):
@@ -81,12 +135,52 @@ class MegaBlocksDispatcher(NaiveDispatcher):
     class Config(SystemConfig):
         # > 0: pad each local expert's rows to a multiple (block-sparse path; MegaBlocks uses 128)
         block_size: int = 0
+        # the megablocks library: auto (where it imports and EP=1) | on | off (the harness scheme)
+        library: str = "auto"
 
         def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
             super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
             if self.block_size < 0:
                 raise ValueError(f"system.block_size={self.block_size!r}: must be an integer >= 0 "
                                  "(0: grouped GEMM without padding; MegaBlocks' block-sparse path uses 128)")
+            if self.library not in LIBRARY_CHOICES:
+                raise ValueError(f"system.library={self.library!r}: allowed values are {list(LIBRARY_CHOICES)}")
+            if self.library == "on" and not library_available():
+                raise ValueError("system.library=on: the megablocks library does not import here (it needs CUDA "
+                                 "and pip install -e '.[gpu]'); use library=auto or off")
+            if self.library == "on" and world_size > 1:
+                raise ValueError(f"system.library=on runs the megablocks library at EP=1 only (cluster.world_size="
+                                 f"{world_size}: its all-to-all would not be accounted); use library=auto or off")
+            if self.library != "off" and self.block_size and self.uses_library(world_size):
+                raise ValueError("system.block_size applies to the harness scheme; the megablocks library pads "
+                                 "its own blocks (set system.library=off to pad)")
+
+        def uses_library(self, world_size: int) -> bool:
+            """Whether a run of ``world_size`` ranks runs the megablocks library."""
+            if self.library == "off":
+                return False
+            return library_available() and world_size == 1
+
+        def impl_for(self, world_size: int) -> str:
+            return "library" if self.uses_library(world_size) else "harness"
+
+    def __init__(self, ep, placement, config):
+        super().__init__(ep, placement, config)
+        self._dmoe = None          # the library's experts module, made on first use (library path)
+
+    def forward_moe(self, x_TD, topk_ids_TK, topk_weights_TK, experts, *, layer=0, recorder=None):
+        if not self.config.uses_library(self.ep.world_size):
+            return super().forward_moe(x_TD, topk_ids_TK, topk_weights_TK, experts, layer=layer, recorder=recorder)
+        from occult.ep.accounting import span
+        with span(recorder, layer, "moe"):
+            return library_experts(self._library_module(x_TD, topk_ids_TK.shape[1], experts), x_TD, topk_ids_TK,
+                                   topk_weights_TK, experts)
+
+    def _library_module(self, x_TD, top_k: int, experts):
+        """megablocks' dropless experts for this layer's shape (made once per dispatcher)."""
+        if self._dmoe is None:
+            self._dmoe = make_library_experts(self.placement.num_experts, top_k, experts, x_TD)
+        return self._dmoe
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         routed_RD, counts_e, naive = super().dispatch(x_TD, topk_ids_TK, topk_weights_TK, layer=layer,

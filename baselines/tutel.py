@@ -143,7 +143,7 @@ def with_placeholder(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights
         return x_TD, topk_ids_TK, topk_weights_TK
     K = topk_ids_TK.shape[1]
     return (torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])]),
-            torch.arange(K, dtype=topk_ids_TK.dtype).unsqueeze(0),
+            torch.arange(K, dtype=topk_ids_TK.dtype, device=topk_ids_TK.device).unsqueeze(0),
             torch.cat([topk_weights_TK, topk_weights_TK.new_zeros(1, K)]))
 
 
@@ -154,8 +154,9 @@ def tutel_routing(fast_dispatch, ids_SK: torch.Tensor, w_SK: torch.Tensor, num_e
     C from ``extract_critical``, gates = the columns of ``w_SK``. Every rank must call it
     (it all-reduces)."""
     S, K = ids_SK.shape
-    order_SE = torch.zeros(S, num_experts)
-    order_SE.scatter_(1, ids_SK, (K - torch.arange(K, dtype=order_SE.dtype)).expand(S, K).contiguous())
+    order_SE = torch.zeros(S, num_experts, device=ids_SK.device)
+    rank_K = K - torch.arange(K, dtype=order_SE.dtype, device=ids_SK.device)
+    order_SE.scatter_(1, ids_SK, rank_K.expand(S, K).contiguous())
     (E, indices_K, locations_K, _, capacity, load_E), _ = fast_dispatch.extract_critical(
         order_SE, K, loss_fn=None, capacity_factor=capacity_factor, batch_prioritized_routing=False,
         normalize_gate=False, alignment=alignment, group=group, inequivalent_tokens=True)
@@ -245,7 +246,8 @@ class TutelDispatcher(SplitDispatcher):
         trace.stop("dispatch", "forward")
         recv_eXD = probe(recv_eXD, lambda: trace.start("dispatch", "backward"))
         handle = TutelHandle(crit, T, C, T * K - kept, self.placement.num_experts * C - kept, trace)
-        return recv_eXD.reshape(e * P * C, D), torch.full((e,), P * C, dtype=torch.long), handle
+        counts_e = torch.full((e,), P * C, dtype=torch.long, device=x_TD.device)
+        return recv_eXD.reshape(e * P * C, D), counts_e, handle
 
     def combine(self, y_RD, handle: TutelHandle):
         tutel, tr = self._tutel, handle.trace

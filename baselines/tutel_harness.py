@@ -82,7 +82,7 @@ def queue_positions(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.
     start_E = torch.cumsum(need_E, 0) - need_E
     order_KT = torch.argsort(ids_KT, stable=True)
     pos_KT = torch.empty_like(ids_KT)
-    pos_KT[order_KT] = torch.arange(ids_KT.numel()) - start_E[ids_KT[order_KT]]
+    pos_KT[order_KT] = torch.arange(ids_KT.numel(), device=ids_KT.device) - start_E[ids_KT[order_KT]]
     return pos_KT, need_E
 
 
@@ -145,7 +145,8 @@ class TutelHarnessDispatcher(SplitDispatcher):
                   recorder: Optional[Recorder]) -> int:
         """C, equal on every rank: exchanges (T, most pairs for one expert) with every rank."""
         P = self.ep.world_size
-        mine_X = torch.tensor([num_tokens, int(need_E.max()) if need_E.numel() else 0], dtype=torch.long)
+        mine_X = torch.tensor([num_tokens, int(need_E.max()) if need_E.numel() else 0], dtype=torch.long,
+                              device=need_E.device)
         every_PX = exchange_counts(mine_X.expand(P, 2).contiguous(), self.ep, Exchange(layer, "counts", recorder))
         max_tokens, max_need = every_PX.max(0).values.tolist()
         return capacity_rows(self.config.capacity_factor, top_k, max_tokens, need_E.numel(), max_need)
@@ -164,7 +165,7 @@ class TutelHarnessDispatcher(SplitDispatcher):
         recv_RD = all_to_all_rows(buf_RD, splits_P, splits_P, self.ep, Exchange(layer, "dispatch", recorder))
         kept = token_Q.numel()
         handle = TutelHandle(token_Q, weight_Q, row_Q, C, T, T * K - kept, P * e * C - kept, layer, recorder)
-        counts_e = torch.full((e,), P * C, dtype=torch.long)
+        counts_e = torch.full((e,), P * C, dtype=torch.long, device=x_TD.device)
         return swap_blocks(recv_RD, P, e, C), counts_e, handle
 
     def combine(self, y_RD, handle: TutelHandle):

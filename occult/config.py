@@ -121,6 +121,7 @@ class ProfileConf:
     nics_per_node: int = 0              # NICs a node's devices share for inter-node traffic
     inter_node_latency_us: float = 0.0  # per all-to-all call that crosses nodes
     device_TFLOPs: float = 0.0          # dense matmul peak per device at `dtype`
+    memory_GBps: float = 0.0            # device memory bandwidth (0: experts modelled compute-bound)
     dtype: str = "bfloat16"             # element type of projected activations (bfloat16, float32)
     link_efficiency: float = 1.0        # achieved / nominal bandwidth (an assumption unless measured)
     compute_efficiency: float = 1.0     # achieved / peak matmul throughput (idem)

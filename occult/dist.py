@@ -1,5 +1,6 @@
-"""Starting expert-parallel ranks: P processes on this machine (gloo on loopback),
-or joining a torchrun world (NCCL on GPUs).
+"""Starting expert-parallel ranks: P processes on this machine (gloo on loopback, or NCCL
+with one local GPU each), or joining a world a job launcher started (torchrun; Slurm or
+local jobs through Hydra's submitit launcher).
 
     results = launch(fn, world_size=4, args=(cfg,))   # fn(ctx, *args) on every rank
 
@@ -7,9 +8,23 @@ or joining a torchrun world (NCCL on GPUs).
 runs under the process group's timeout; if any rank raises, the others are
 stopped at once and :class:`RankFailed` carries that rank's error and
 traceback, so a run never hangs on a dead peer.
+
+Every rank computes on its device, ``ctx.device``: ``cuda:<local rank>`` under NCCL,
+``cpu`` under gloo.
+
+**A launcher's world** (:func:`job_world`): under torchrun (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``) or in a submitit job with several tasks (``hydra/launcher=submitit_slurm``
+or ``submitit_local`` with ``tasks_per_node``), this process is one rank of a world
+that lives as long as the process. Its default process group is made once
+(:func:`join_job_world`); each run (each sweep point) then makes its own process
+group from it, on every rank in step, and ends it at the end of the run, so that a
+multirun's points follow one another in the same world. Rank 0 decides what the
+others do (skip, resume, fail) and hands them the prepared config
+(:func:`broadcast_from_rank0`); only rank 0 writes results.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import queue
@@ -17,6 +32,7 @@ import signal
 import socket
 import time
 import traceback
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -26,6 +42,7 @@ import multiprocessing as mp
 import pickle
 
 from .ep.comm import EPGroup
+from .ep.measure import use_device
 
 
 class RankFailed(RuntimeError):
@@ -41,19 +58,120 @@ class RankContext:
     ep: EPGroup
     seed: int
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank computes: ``cuda:<local rank>`` under NCCL, ``cpu`` under gloo."""
+        return torch.device(self.ep.device)
+
+
+@dataclass(frozen=True)
+class JobWorld:
+    """This process's place in a world a job launcher started."""
+
+    kind: str             # "torchrun" or "submitit"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
 
 def rank_seed(seed: int, rank: int) -> int:
     """Deterministic per-rank seed derived from the run seed."""
     return seed * 1_000_003 + rank
 
 
-def default_threads(world_size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // max(world_size, 1))
+def default_threads(ranks_on_this_machine: int) -> int:
+    return max(1, (os.cpu_count() or 1) // max(ranks_on_this_machine, 1))
+
+
+def rank_device(backend: str, local_rank: int) -> str:
+    """The device a rank computes on: one GPU per rank under NCCL, the CPU under gloo."""
+    return f"cuda:{local_rank}" if backend == "nccl" else "cpu"
 
 
 def under_torchrun() -> bool:
     """True when this process was started by torchrun (or another launcher that sets RANK)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _submitit_env():
+    """submitit's JobEnvironment when this process is a task of a submitit job, else None."""
+    if not any(k.startswith(("SUBMITIT_", "SLURM_JOB_ID")) for k in os.environ):
+        return None
+    try:
+        import submitit
+
+        env = submitit.JobEnvironment()
+        env.global_rank                       # raises outside a job
+        return env
+    except Exception:  # noqa: BLE001 - not in a job (or submitit missing)
+        return None
+
+
+# the launcher world this process joined (join_job_world), kept for the process's life
+_JOINED: Optional[JobWorld] = None
+
+
+def job_world() -> Optional[JobWorld]:
+    """The launcher's world this process belongs to, or None (``launch`` then spawns ranks)."""
+    if _JOINED is not None:
+        return _JOINED
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        return JobWorld("torchrun", int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", 0)),
+                        int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    env = _submitit_env()
+    if env is not None and env.num_tasks > 1:
+        per_node = max(env.num_tasks // max(env.num_nodes, 1), 1)
+        return JobWorld("submitit", env.global_rank, env.num_tasks, env.local_rank, per_node)
+    return None
+
+
+def _submitit_rendezvous(env) -> None:
+    """MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE for ``init_process_group`` from a
+    submitit job: the first host of the job, a port derived from the job id."""
+    os.environ.setdefault("MASTER_ADDR", env.hostnames[0] if env.hostnames else "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(20000 + zlib.crc32(str(env.job_id).encode()) % 20000))
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(env.global_rank), str(env.num_tasks)
+    os.environ["LOCAL_RANK"] = str(env.local_rank)
+
+
+def join_job_world(backend: str, timeout_s: float) -> JobWorld:
+    """This process's launcher world, its default process group made on first use (kept for
+    the process's life: a multirun's points reuse it)."""
+    global _JOINED
+    world = job_world()
+    if world is None:
+        raise RuntimeError("join_job_world: this process was not started by torchrun or a submitit job")
+    _JOINED = world
+    if not dist.is_initialized():
+        if world.kind == "submitit":
+            _submitit_rendezvous(_submitit_env())
+        if backend == "nccl":
+            torch.cuda.set_device(world.local_rank)
+        dist.init_process_group(backend=backend, init_method="env://",
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        atexit.register(_leave_job_world)
+    return world
+
+
+def _leave_job_world() -> None:
+    """At exit: every rank leaves the world together (a rank that left first would pull
+    the connections from under one still reporting)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - a peer already gone: nothing to wait for
+        pass
+    dist.destroy_process_group()
+
+
+def broadcast_from_rank0(obj):
+    """``obj`` of rank 0 on every rank of the launcher's world (its default group)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _free_port() -> int:
@@ -62,23 +180,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_rank(rank: int, world_size: int, init_method: Optional[str], backend: str,
-               timeout_s: float, threads: int, seed: int) -> RankContext:
+def _rank_context(rank: int, world_size: int, group, backend: str, local_rank: int, seed: int,
+                  default_device: Optional[str]) -> RankContext:
+    """The context of a rank whose process group exists; sets its device and clock, and
+    (tests) torch's default device."""
+    device = rank_device(backend, local_rank)
+    use_device(device)
+    if default_device is not None:
+        torch.set_default_device(default_device)
+    return RankContext(rank, world_size, EPGroup(rank, world_size, group, device), seed)
+
+
+def _init_rank(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float, threads: int,
+               seed: int, default_device: Optional[str] = None) -> RankContext:
     torch.set_num_threads(threads)
     torch.manual_seed(rank_seed(seed, rank))
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    kwargs = dict(backend=backend, rank=rank, world_size=world_size,
-                  timeout=datetime.timedelta(seconds=timeout_s))
-    if init_method is not None:
-        kwargs["init_method"] = init_method
-    dist.init_process_group(**kwargs)
-    return RankContext(rank, world_size, EPGroup(rank, world_size, dist.group.WORLD), seed)
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, init_method=init_method,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return _rank_context(rank, world_size, dist.group.WORLD, backend, rank, seed, default_device)
 
 
-def _worker(rank, world_size, port, backend, timeout_s, threads, seed, fn, args, results, errors):
+def _worker(rank, world_size, port, backend, timeout_s, threads, seed, default_device, fn, args, results, errors):
     try:
-        ctx = _init_rank(rank, world_size, f"tcp://127.0.0.1:{port}", backend, timeout_s, threads, seed)
+        ctx = _init_rank(rank, world_size, f"tcp://127.0.0.1:{port}", backend, timeout_s, threads, seed,
+                         default_device)
         out = fn(ctx, *args)
         # plain pickle: tensors travel by value (torch's queue reducers would pass shared
         # memory handles that die with this process)
@@ -87,28 +214,35 @@ def _worker(rank, world_size, port, backend, timeout_s, threads, seed, fn, args,
         errors.put((rank, time.time(), traceback.format_exc()))
         raise SystemExit(1)
     finally:
+        torch.set_default_device(None)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: int = 0,
            timeout_s: float = 600.0, collective_timeout_s: float = 120.0, threads: int = 0,
-           backend: str = "gloo") -> list:
+           backend: str = "gloo", default_device: Optional[str] = None) -> list:
     """Runs ``fn(ctx, *args)`` on ``world_size`` ranks; returns the results in rank order.
 
-    Under torchrun the current process is one rank: the result list is
-    gathered to rank 0 (other ranks get ``None``). Otherwise ``world_size``
-    processes are spawned on this machine. ``fn`` and ``args`` must be
-    picklable (``fn`` defined at module level).
+    In a launcher's world (torchrun, a submitit job) the current process is one rank: the
+    result list is gathered to rank 0 (other ranks get ``None``). Otherwise
+    ``world_size`` processes are spawned on this machine (``backend="nccl"``: rank r
+    on GPU r). ``fn`` and ``args`` must be picklable (``fn`` defined at module level).
+    ``default_device``: torch's default device inside the ranks (tests set ``"meta"``,
+    so that a tensor made without the device of its inputs cannot mix with them).
     """
+    world = job_world()
+    if world is not None:
+        if world.world_size != world_size:
+            raise RankFailed(f"launch: the job's world has {world.world_size} ranks, the run asks for {world_size}")
+        return _launch_joined(world, fn, args, seed, timeout_s, collective_timeout_s,
+                              threads or default_threads(world.local_world_size), backend, default_device)
     threads = threads or default_threads(world_size)
-    if under_torchrun():
-        return _launch_torchrun(fn, args, seed, collective_timeout_s, threads)
     ctx = mp.get_context("spawn")
     results, errors = ctx.Queue(), ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world_size, port, backend, collective_timeout_s, threads, seed,
+                         args=(r, world_size, port, backend, collective_timeout_s, threads, seed, default_device,
                                fn, args, results, errors))
              for r in range(world_size)]
     for p in procs:
@@ -121,6 +255,26 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: i
                 p.terminate()
         for p in procs:
             p.join(timeout=5)
+
+
+def _launch_joined(world: JobWorld, fn, args, seed, timeout_s, collective_timeout_s, threads, backend,
+                   default_device):
+    """One run in the launcher's world: a process group of its own, made and ended in step
+    on every rank; the results gathered to rank 0."""
+    join_job_world(backend, timeout_s)
+    torch.set_num_threads(threads)
+    torch.manual_seed(rank_seed(seed, world.rank))
+    group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=collective_timeout_s))
+    try:
+        ctx = _rank_context(world.rank, world.world_size, group, backend, world.local_rank, seed, default_device)
+        value = fn(ctx, *args)
+        gathered = [None] * world.world_size if world.rank == 0 else None
+        dist.gather_object(value, gathered, dst=0, group=group)
+        dist.barrier(group=group)
+    finally:
+        torch.set_default_device(None)
+        dist.destroy_process_group(group)
+    return gathered
 
 
 def _supervise(procs, results, errors, timeout_s) -> list:
@@ -194,14 +348,3 @@ def _first_error(errors, wait: float = 0.0):
             pass
     rank, _, tb = min(found, key=lambda f: f[1])
     return rank, tb
-
-
-def _launch_torchrun(fn, args, seed, collective_timeout_s, threads):
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    ctx = _init_rank(rank, world_size, None, backend, collective_timeout_s, threads, seed)
-    value = fn(ctx, *args)
-    gathered = [None] * world_size if rank == 0 else None
-    dist.gather_object(value, gathered, dst=0)
-    dist.destroy_process_group()
-    return gathered

@@ -64,28 +64,31 @@ class Problem:
     ids_TK: Optional[torch.Tensor]
 
 
-def make_problem(case: LayerCase, placement: Placement) -> Problem:
-    """The global problem, identical on every rank."""
-    g = torch.Generator().manual_seed(case.seed)
+def make_problem(case: LayerCase, placement: Placement, device="cpu") -> Problem:
+    """The global problem, identical on every rank (drawn on the host from the case's
+    seed, then moved to ``device``)."""
+    g = torch.Generator(device="cpu").manual_seed(case.seed)
     dtype = getattr(torch, case.dtype)
     E, K, D, T = case.num_experts, case.top_k, case.hidden, sum(case.tokens)
-    router = (torch.randn(E, D, generator=g) / D ** 0.5).to(dtype)
+    router = (torch.randn(E, D, generator=g, device="cpu") / D ** 0.5).to(dtype)
     experts = init_expert_weights(E, D, case.ffn, g, dtype)
-    x = torch.randn(T, D, generator=g).to(dtype)
-    grad = torch.randn(T, D, generator=g).to(dtype)
+    x = torch.randn(T, D, generator=g, device="cpu").to(dtype)
+    grad = torch.randn(T, D, generator=g, device="cpu").to(dtype)
     ids = None
     if case.routing == "explicit":
-        ids = torch.tensor(case.explicit_ids, dtype=torch.long).view(T, K)
+        ids = torch.tensor(case.explicit_ids, dtype=torch.long, device="cpu").view(T, K)
     elif case.routing != "router":
         allowed = None
+        device_E = placement.device_E.cpu()
         if case.routing == "one_device":
-            allowed = placement.device_E == 0
+            allowed = device_E == 0
         elif case.routing == "skip_last_device":
-            allowed = placement.device_E != placement.num_devices - 1
+            allowed = device_E != placement.num_devices - 1
         elif case.routing != "uniform":
             raise ValueError(f"routing={case.routing!r}: allowed {list(CASE_ROUTINGS)}")
         ids = sample_topk(T, K, expert_popularity("uniform", E), g, allowed)
-    return Problem(router, experts, x, grad, ids)
+    move = lambda t: None if t is None else t.to(device)
+    return Problem(move(router), {k: move(w) for k, w in experts.items()}, move(x), move(grad), move(ids))
 
 
 def _scale(b: torch.Tensor) -> float:
@@ -107,8 +110,8 @@ def check_layer(ctx, system, case: LayerCase, placement: Optional[Placement] = N
     Must be called on every rank of ``ctx``'s world, with the same arguments.
     """
     P, rank = ctx.world_size, ctx.rank
-    placement = placement or Placement.contiguous(case.num_experts, P)
-    prob = make_problem(case, placement)
+    placement = (placement or Placement.contiguous(case.num_experts, P)).to(ctx.device)
+    prob = make_problem(case, placement, ctx.device)
     lo = sum(case.tokens[:rank])
     hi = lo + case.tokens[rank]
 
@@ -179,11 +182,11 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     cfg = OmegaConf.create(cfg_dict)
     fam = family_of(cfg.model.family)
     P, rank = ctx.world_size, ctx.rank
-    g = torch.Generator().manual_seed(cfg.seed + 99)
-    ids_all = torch.randint(0, vocab_size, (batch_per_rank * P, seq_len), generator=g)
+    g = torch.Generator(device="cpu").manual_seed(cfg.seed + 99)
+    ids_all = torch.randint(0, vocab_size, (batch_per_rank * P, seq_len), generator=g, device="cpu").to(ctx.device)
     ids = ids_all[rank * batch_per_rank:(rank + 1) * batch_per_rank]
 
-    ref = base_model(cfg, vocab_size)
+    ref = base_model(cfg, vocab_size, device=ctx.device)
     model = make_rank_model(ctx, copy.deepcopy(ref), cfg)
     ref_out = ref(input_ids=ids_all, labels=ids_all)
     ref_out.loss.backward()

@@ -5,7 +5,7 @@ system_options, model, init, task, cluster, world_size, num_experts, top_k,
 hidden_size, expert_ffn_size, tokens_per_rank, routing, batch_size, seq_len, seed,
 config_hash), the measurement (layer, rank, phase, pass, metric, value, unit,
 sample, src_rank, dst_rank) and provenance (git_commit, torch_version, device,
-hostname, time, clock).
+hostname, time, clock, launcher).
 
 ``run_id`` is unique per composed config: readable fields and ``config_hash``, a
 digest of the composed config (:func:`config_hash`); ``system_options`` is the
@@ -36,7 +36,7 @@ MEASUREMENT_COLUMNS = ["layer", "rank", "phase", "pass", "metric", "value", "uni
 CONTEXT_COLUMNS = ["run_id", "experiment", "label", "system", "impl", "system_options", "model", "init", "task",
                    "cluster", "world_size", "num_experts", "top_k", "hidden_size", "expert_ffn_size",
                    "tokens_per_rank", "routing", "batch_size", "seq_len", "seed", "config_hash"]
-PROVENANCE_COLUMNS = ["git_commit", "torch_version", "device", "hostname", "time", "clock"]
+PROVENANCE_COLUMNS = ["git_commit", "torch_version", "device", "hostname", "time", "clock", "launcher"]
 COLUMNS = CONTEXT_COLUMNS + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
 RESULTS_FILE = "results.parquet"
 RUN_CONFIG_FILE = "run_config.json"      # the composed config the results belong to (resume checks it)
@@ -80,7 +80,7 @@ def provenance() -> dict:
     from .ep.measure import CLOCK
     return {"git_commit": git_commit(), "torch_version": torch.__version__, "device": device_name(),
             "hostname": socket.gethostname(),
-            "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "clock": CLOCK}
+            "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "clock": CLOCK, "launcher": "local"}
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -140,7 +140,7 @@ def make_frame(rows: list, context: dict) -> pd.DataFrame:
     compares); the run's value fills the rest."""
     own = [c for c in CONTEXT_COLUMNS if any(c in r for r in rows)]
     df = pd.DataFrame(rows, columns=MEASUREMENT_COLUMNS + own)
-    for key, value in {**context, **provenance()}.items():
+    for key, value in {**provenance(), **context}.items():
         df[key] = df[key].where(df[key].notna(), value) if key in own else value
     missing = [c for c in COLUMNS if c not in df.columns]
     if missing:

@@ -20,8 +20,9 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from .dist import launch
+from .dist import broadcast_from_rank0, job_world, join_job_world, launch
 from .ep import import_object, system_config
+from .ep.measure import clock_name
 from .errors import ConfigError
 from .records import (config_diff, config_hash, has_results, hashed_config, make_frame, read_run_config, row,
                       write_results, write_run_config)
@@ -41,14 +42,16 @@ def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
     """The context columns of every row of this run."""
     m, t, c = cfg.model, cfg.task, cfg.cluster
     config = system_config(cfg.system)
+    world = job_world()
     return {"run_id": f"{cfg.experiment_name}/{config.name}/{m.name}/{t.name}/{c.name}/{digest}",
-            "experiment": cfg.experiment_name, "label": cfg.label, "system": config.name, "impl": config.impl,
+            "experiment": cfg.experiment_name, "label": cfg.label, "system": config.name, "impl": config.impl_for(c.world_size),
             "system_options": config.options_json(), "model": m.name,
             "init": cfg_dict.get("checkpoint") or "random", "task": t.name, "cluster": c.name,
             "world_size": c.world_size, "num_experts": m.num_experts, "top_k": m.top_k,
             "hidden_size": m.hidden_size, "expert_ffn_size": m.expert_ffn_size,
             "tokens_per_rank": t.tokens_per_rank, "routing": t.routing, "batch_size": t.batch_size,
-            "seq_len": t.seq_len, "seed": cfg.seed, "config_hash": digest}
+            "seq_len": t.seq_len, "seed": cfg.seed, "config_hash": digest, "clock": clock_name(c.backend),
+            "launcher": world.kind if world is not None else "local"}
 
 
 def already_done(out_dir: Path, hashed: dict) -> bool:
@@ -68,15 +71,38 @@ def already_done(out_dir: Path, hashed: dict) -> bool:
     raise ConfigError(f"{out_dir} holds results of a different config ({'; '.join(diff)}); {how}")
 
 
+def _decide(cfg: DictConfig, out_dir: Path, hashed: dict):
+    """What this point does: ``"skip"`` (results of this config exist), ``"run"`` (and the
+    validation notes), or ``("error", message)`` for a config that cannot run here."""
+    try:
+        if cfg.resume and already_done(out_dir, hashed):
+            return "skip", []
+        return "run", validate(cfg)
+    except ConfigError as exc:
+        return "error", str(exc)
+
+
 def run(cfg: DictConfig, out_dir) -> Path | None:
-    """Runs one configuration; returns the results file (None when skipped)."""
+    """Runs one configuration; returns the results file (None when skipped, and on every
+    rank but 0 of a launcher's world)."""
     out_dir = Path(out_dir)
     hashed = hashed_config(OmegaConf.to_container(cfg, resolve=True))
     digest = config_hash(hashed)
-    if cfg.resume and already_done(out_dir, hashed):
+    world = job_world()
+    if world is not None:        # torchrun or a submitit job: rank 0 decides, the others follow
+        join_job_world(cfg.cluster.backend, cfg.cluster.run_timeout_s)
+        if world.rank != 0:
+            log.setLevel(logging.WARNING)            # rank 0 tells the story
+    leader = world is None or world.rank == 0
+    decision, notes = _decide(cfg, out_dir, hashed) if leader else (None, None)
+    if world is not None:
+        decision, notes = broadcast_from_rank0((decision, notes))
+    if decision == "skip":
         log.info("results of this config exist in %s: skipped (resume=true)", out_dir)
         return None
-    for note in validate(cfg):
+    if decision == "error":
+        raise ConfigError(notes)
+    for note in notes:
         if note not in NOTED:            # once per process, not once per sweep point
             NOTED.add(note)
             log.warning(note)
@@ -88,12 +114,14 @@ def run(cfg: DictConfig, out_dir) -> Path | None:
     t0 = time.perf_counter()
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     cfg_dict["out_dir_resolved"] = str(out_dir)
-    if cfg.task.prepare:
-        cfg_dict = import_object(cfg.task.prepare)(cfg_dict)
+    if cfg.task.prepare:         # e.g. pre-training a missing proxy: once, on rank 0
+        cfg_dict = import_object(cfg.task.prepare)(cfg_dict) if leader else None
+        if world is not None:
+            cfg_dict = broadcast_from_rank0(cfg_dict)
     per_rank = launch(entry, c.world_size, (cfg_dict,), seed=cfg.seed,
                       timeout_s=c.run_timeout_s, collective_timeout_s=c.collective_timeout_s,
                       threads=c.threads_per_rank, backend=c.backend)
-    if per_rank is None or per_rank[0] is None:       # a non-zero torchrun rank: rank 0 writes
+    if not leader:               # rank 0 writes
         return None
     rows = [r for rank_rows in per_rank for r in rank_rows]
     # the point's wall time here, start-up and any pre-training of a missing proxy included
@@ -186,6 +214,8 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        if os.environ.get("RANK", "0") != "0":       # under torchrun: rank 0 lists the failures
+            return
         failed = failed_points(sweep_dir)
         if failed:
             names = "\n  ".join(str(p) for p in failed)

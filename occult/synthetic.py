@@ -14,9 +14,9 @@ ROUTINGS = ("router", "uniform", "zipf")
 def expert_popularity(kind: str, num_experts: int, zipf_s: float = 1.2) -> torch.Tensor:
     """Sampling weights over experts: uniform, or Zipf (expert i weighted 1 / (i+1)^s)."""
     if kind == "uniform":
-        return torch.full((num_experts,), 1.0 / num_experts, dtype=torch.float64)
+        return torch.full((num_experts,), 1.0 / num_experts, dtype=torch.float64, device="cpu")
     if kind == "zipf":
-        w = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** zipf_s
+        w = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64, device="cpu") ** zipf_s
         return w / w.sum()
     raise ValueError(f"task.routing={kind!r}: allowed values are {list(ROUTINGS)}")
 
@@ -29,10 +29,11 @@ def sample_topk(num_tokens: int, top_k: int, popularity_E: torch.Tensor, generat
     Returns ``topk_ids_TK`` (long).
     """
     E = popularity_E.numel()
-    u_TE = torch.rand(num_tokens, E, generator=generator, dtype=torch.float64).clamp_min(1e-300)
-    keys_TE = popularity_E.log().unsqueeze(0) - torch.log(-torch.log(u_TE))
+    u_TE = torch.rand(num_tokens, E, generator=generator, dtype=torch.float64,
+                      device=generator.device).clamp_min(1e-300)
+    keys_TE = popularity_E.to(u_TE.device).log().unsqueeze(0) - torch.log(-torch.log(u_TE))
     if allowed_E is not None:
         if int(allowed_E.sum()) < top_k:
             raise ValueError(f"only {int(allowed_E.sum())} experts allowed, top_k={top_k}")
-        keys_TE = keys_TE.masked_fill(~allowed_E.unsqueeze(0), float("-inf"))
+        keys_TE = keys_TE.masked_fill(~allowed_E.to(keys_TE.device).unsqueeze(0), float("-inf"))
     return torch.topk(keys_TE, top_k, dim=1).indices

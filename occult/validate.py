@@ -82,6 +82,28 @@ def _check_task(t) -> None:
                           f"available tasks: {available('task')}") from exc
 
 
+def _check_world(c) -> None:
+    """The world the run asks for exists: a launcher's world of that size, and one GPU per
+    local rank under NCCL."""
+    from .dist import job_world
+
+    world = job_world()
+    if world is not None and world.world_size != c.world_size:
+        raise ConfigError(f"cluster.world_size={c.world_size} but this {world.kind} job has {world.world_size} "
+                          f"ranks: set cluster.world_size={world.world_size} (or start {c.world_size} ranks)")
+    if c.backend != "nccl":
+        return
+    import torch
+
+    local = world.local_world_size if world is not None else c.world_size
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < local:
+        why = "torch.cuda.is_available() is False" if not torch.cuda.is_available() else f"it has {have}"
+        runnable = [n for n in available("cluster") if not n.startswith("gpu")]
+        raise ConfigError(f"cluster={c.name} (backend nccl) needs {local} CUDA GPU(s) on this machine, one per "
+                          f"rank; {why}. Clusters that run here: {runnable}")
+
+
 def validate(cfg) -> list[str]:
     """Raises :class:`ConfigError` for impossible runs; returns notes on runs that work but
     are worth knowing about (the runner logs them)."""
@@ -92,6 +114,7 @@ def validate(cfg) -> list[str]:
     _at_least("cluster.world_size", P, 1)
     if c.backend not in BACKENDS:
         raise ConfigError(f"cluster.backend={c.backend!r}: allowed values are {list(BACKENDS)}")
+    _check_world(c)
     try:
         system = system_config(cfg.system)
     except ConfigError as exc:
@@ -108,6 +131,7 @@ def validate(cfg) -> list[str]:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
     try:
         system.check(num_experts=m.num_experts, top_k=m.top_k, world_size=P)
+        system.check_task(t.name)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     notes = []

@@ -47,3 +47,21 @@ def kill_rank(ctx, bad_rank: int):
     t = torch.zeros(1)
     dist.all_reduce(t)
     return "unreachable"
+
+
+class HostOnlyDispatcher(NaiveDispatcher):
+    """Naive EP that makes one index tensor without the device of its inputs (an
+    ``arange`` on torch's default device): the device test must catch it."""
+
+    def combine(self, y_RD, handle: NaiveHandle):
+        order_R = torch.arange(handle.token_R.numel())          # no device=: the defect
+        token_R = handle.token_R[order_R]
+        return super().combine(y_RD, NaiveHandle(token_R, handle.weight_R, handle.inv_perm_R, handle.send_P,
+                                                 handle.recv_P, handle.num_tokens, handle.layer, handle.recorder))
+
+
+def run_tasks(ctx, jobs: list) -> dict:
+    """Each ``(label, entry, cfg_dict)`` of ``jobs``: the task's rank function on this rank;
+    returns {label: number of rows}."""
+    from occult.ep import import_object
+    return {label: len(import_object(entry)(ctx, cfg_dict)) for label, entry, cfg_dict in jobs}

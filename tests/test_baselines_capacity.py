@@ -109,3 +109,20 @@ def test_bad_options_name_the_field():
     for target, options, field in bad:
         with pytest.raises(ValueError, match=field):
             system_config(system(target, **options)).check(num_experts=4, top_k=2, world_size=1)
+
+
+def test_megablocks_uses_the_library_only_where_it_can_run():
+    """library=auto runs the harness scheme where megablocks does not import (this CPU) or
+    EP > 1, and says so in impl; library=on is refused there with the reason."""
+    import importlib.util
+
+    from occult.ep import system_config
+    auto = system_config(system(MEGA))
+    assert auto.impl_for(4) == "harness"
+    if importlib.util.find_spec("megablocks") is None or not torch.cuda.is_available():
+        assert auto.impl_for(1) == "harness"
+        with pytest.raises(ValueError, match="system.library=on: the megablocks library does not import here"):
+            system_config(system(MEGA, library="on")).check(num_experts=4, top_k=2, world_size=1)
+    with pytest.raises(ValueError, match=r"system.library='maybe': allowed values are \['auto', 'on', 'off'\]"):
+        system_config(system(MEGA, library="maybe")).check(num_experts=4, top_k=2, world_size=1)
+    assert system_config(system(MEGA, library="off")).impl_for(1) == "harness"

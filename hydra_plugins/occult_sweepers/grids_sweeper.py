@@ -28,13 +28,16 @@ dropped (an experiment that extends another removes grids that way). A value
 may refer to the point's own config, escaped: ``label: score_\${system.budget}``.
 
 It is the default sweeper of every multirun (``conf/config.yaml``): without grid
-names it sweeps like Hydra's basic sweeper. It announces the number of points to
+names it sweeps like Hydra's basic sweeper. A point whose overrides would name a
+folder longer than the file system allows gets a shortened name with a digest. It announces the number of points to
 the runner (for the progress lines: points done of all, time left). Everything
 else (batching, launching, resume through ``run.py``) is Hydra's basic sweeper.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from collections import OrderedDict
 from typing import List
 
@@ -43,6 +46,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 # read by occult.runner for its progress lines (the same name there)
 SWEEP_POINTS_ENV = "OCCULT_SWEEP_POINTS"
+# a sweep point's folder is named by its overrides; names past this are cut and get a digest
+MAX_FOLDER_NAME = 200
 
 
 class GridsSweeper(BasicSweeper):
@@ -65,6 +70,18 @@ class GridsSweeper(BasicSweeper):
         """Params without a grid name: shared by every grid."""
         return {k: v for k, v in (self.params or {}).items() if "/" not in str(k)}
 
+    def _short_folder(self, point: list) -> list:
+        """``point`` with a shorter ``hydra.sweep.subdir`` when its folder name (the joined
+        overrides) would pass the file system's limit: the name cut, plus a digest of all of it."""
+        exclude = set(self.config.hydra.job.config.override_dirname.exclude_keys) if self.config else set()
+        kept = sorted(o for o in point if not o.startswith("hydra.") and o.split("=", 1)[0].lstrip("+~") not in exclude)
+        name = ",".join(kept)
+        if len(name) <= MAX_FOLDER_NAME or any(o.startswith("hydra.sweep.subdir=") for o in point):
+            return point
+        digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+        short = re.sub(r"[^A-Za-z0-9_.,=-]", "_", name[:MAX_FOLDER_NAME - 11])
+        return point + [f"hydra.sweep.subdir='{short}_{digest}'"]
+
     def _parse_config(self) -> List[str]:
         return []          # the grids are expanded in split_arguments
 
@@ -84,6 +101,7 @@ class GridsSweeper(BasicSweeper):
                         seen.add(key)
                         points.append(point)
         os.environ[SWEEP_POINTS_ENV] = str(len(points))
+        points = [self._short_folder(point) for point in points]
         if max_batch_size is None or max_batch_size <= 0:
             return [points]
         return [points[i:i + max_batch_size] for i in range(0, len(points), max_batch_size)]

@@ -53,10 +53,10 @@ def _positions(hit_AB: torch.Tensor) -> torch.Tensor:
 
 def build_brim0(topk_ids_TK: torch.Tensor, placement: Placement) -> Brim0:
     """BRIM_0 from the top-k ids of this rank's tokens and the placement."""
-    T = topk_ids_TK.shape[0]
+    T, dev = topk_ids_TK.shape[0], topk_ids_TK.device
     P = placement.num_devices
-    hit_PT = torch.zeros(P, T, dtype=torch.bool)
-    hit_PT[placement.device_E[topk_ids_TK], torch.arange(T).unsqueeze(1)] = True
+    hit_PT = torch.zeros(P, T, dtype=torch.bool, device=dev)
+    hit_PT[placement.device_E[topk_ids_TK], torch.arange(T, device=dev).unsqueeze(1)] = True
     index_PT = _positions(hit_PT)
     device_R, token_R = torch.nonzero(hit_PT, as_tuple=True)    # in SFD (device, token) order
     return Brim0(index_PT, token_R, device_R, hit_PT.sum(1))
@@ -77,8 +77,8 @@ def local_expert_weights(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tenso
     T, K = topk_ids_TK.shape
     P, e = placement.num_devices, placement.num_local
     dev_TK, slot_TK = placement.device_E[topk_ids_TK], placement.slot_E[topk_ids_TK]
-    tok_TK = torch.arange(T).unsqueeze(1).expand(T, K)
+    tok_TK = torch.arange(T, device=topk_ids_TK.device).unsqueeze(1).expand(T, K)
     w_TPe = topk_weights_TK.new_zeros(T, P, e).index_put((tok_TK, dev_TK, slot_TK), topk_weights_TK)
-    uses_TPe = torch.zeros(T, P, e, dtype=torch.bool)
+    uses_TPe = torch.zeros(T, P, e, dtype=torch.bool, device=topk_ids_TK.device)
     uses_TPe[tok_TK, dev_TK, slot_TK] = True
     return w_TPe[brim0.token_R, brim0.device_R], uses_TPe[brim0.token_R, brim0.device_R]

@@ -253,7 +253,7 @@ class OccultSimilarityPruningDispatcher(_PruningDispatcher):
 
         def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
             super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
-            SimilarityPruning(self.budget, torch.zeros(num_experts, num_experts), self.weight_rule)
+            SimilarityPruning(self.budget, torch.zeros(num_experts, num_experts, device="cpu"), self.weight_rule)
             if self.profile_tokens < 1:
                 raise ValueError(f"system.profile_tokens={self.profile_tokens!r}: allowed values are "
                                  "integers >= 1")
@@ -262,6 +262,12 @@ class OccultSimilarityPruningDispatcher(_PruningDispatcher):
                     if logits.shape[1] != num_experts:
                         raise ValueError(f"system.similarity_file={str(self.similarity_file)!r}: layer_{layer} "
                                          f"has {logits.shape[1]} experts, model.num_experts={num_experts}")
+
+        def check_task(self, task: str) -> None:
+            if self.similarity_file is None and task != "finetune":
+                raise ValueError(f"system.similarity_file is null: task={task} needs a file (an .npz of router "
+                                 "logits, e.g. router_logits.npz of a run with task.save_routing=true); only "
+                                 "task=finetune profiles the router itself")
 
         @property
         def needs_router_profile(self) -> bool:

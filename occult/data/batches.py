@@ -30,7 +30,7 @@ def _encode_documents(texts: list[str], tokenizer) -> torch.Tensor:
     for ids in tokenizer.encode_batch(texts):
         pieces.extend(ids)
         pieces.append(tokenizer.eot_id)
-    return torch.tensor(pieces, dtype=torch.long)
+    return torch.tensor(pieces, dtype=torch.long, device="cpu")
 
 
 def token_ids(corpus: str, split: str, tokenizer) -> torch.LongTensor:
@@ -72,7 +72,7 @@ def _check_window(ids_N: torch.Tensor, batch_size: int, seq_len: int) -> None:
 
 def _windows(ids_N: torch.Tensor, starts_B: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs ``x_BS`` = ids[start : start+S] and targets ``y_BS`` = ids[start+1 : start+S+1]."""
-    idx_BS1 = starts_B.unsqueeze(1) + torch.arange(seq_len + 1)
+    idx_BS1 = starts_B.unsqueeze(1) + torch.arange(seq_len + 1, device=starts_B.device)
     w_BS1 = ids_N[idx_BS1].long()
     return w_BS1[:, :-1], w_BS1[:, 1:]
 
@@ -85,11 +85,11 @@ def batch_iterator(ids: torch.Tensor, batch_size: int, seq_len: int, seed: int,
     the same arguments. Endless unless ``num_batches`` is given.
     """
     _check_window(ids, batch_size, seq_len)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
     high = ids.numel() - seq_len                     # starts 0..N-S-1 leave room for the target
     produced = 0
     while num_batches is None or produced < num_batches:
-        starts_B = torch.randint(0, high, (batch_size,), generator=gen)
+        starts_B = torch.randint(0, high, (batch_size,), generator=gen, device="cpu")
         yield _windows(ids, starts_B, seq_len)
         produced += 1
 
@@ -110,7 +110,7 @@ def eval_batches(ids: torch.Tensor, batch_size: int, seq_len: int) -> Iterator[t
     _check_window(ids, batch_size, seq_len)
     windows = num_eval_windows(ids.numel(), seq_len)
     for first in range(0, windows, batch_size):
-        starts_B = torch.arange(first, min(first + batch_size, windows)) * seq_len
+        starts_B = torch.arange(first, min(first + batch_size, windows), device="cpu") * seq_len
         yield _windows(ids, starts_B, seq_len)
 
 

@@ -105,10 +105,15 @@ def span(recorder: "Recorder | None", layer: int, name: str, direction: str = "f
 
 def devices_per_token(topk_ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
     """Distinct devices among each token's top-k experts: shape [T] (long)."""
-    T = topk_ids_TK.shape[0]
-    hit_TP = torch.zeros(T, placement.num_devices, dtype=torch.bool)
-    hit_TP[torch.arange(T).unsqueeze(1), placement.device_E[topk_ids_TK]] = True
-    return hit_TP.sum(1)
+    return device_hits(topk_ids_TK, placement).sum(1)
+
+
+def device_hits(topk_ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """hit_TP[t, p]: token t has at least one of its top-k experts on device p (bool [T, P])."""
+    T, dev = topk_ids_TK.shape[0], topk_ids_TK.device
+    hit_TP = torch.zeros(T, placement.num_devices, dtype=torch.bool, device=dev)
+    hit_TP[torch.arange(T, device=dev).unsqueeze(1), placement.device_E[topk_ids_TK]] = True
+    return hit_TP
 
 
 def ct_all(topk_ids_TK: torch.Tensor, placement: Placement) -> float:
@@ -126,9 +131,8 @@ def ct_remote(topk_ids_TK: torch.Tensor, placement: Placement, home_T: torch.Ten
     T = topk_ids_TK.shape[0]
     if T == 0:
         return float("nan")
-    hit_TP = torch.zeros(T, placement.num_devices, dtype=torch.bool)
-    hit_TP[torch.arange(T).unsqueeze(1), placement.device_E[topk_ids_TK]] = True
-    hit_TP[torch.arange(T), home_T] = False
+    hit_TP = device_hits(topk_ids_TK, placement)
+    hit_TP[torch.arange(T, device=hit_TP.device), home_T] = False
     return hit_TP.sum(1).float().mean().item()
 
 

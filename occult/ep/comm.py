@@ -24,6 +24,7 @@ class EPGroup:
     rank: int = 0
     world_size: int = 1
     group: Optional[object] = None   # a torch.distributed ProcessGroup, None = default / single process
+    device: str = "cpu"              # where this rank computes: "cpu" (gloo) or "cuda:<local rank>" (NCCL)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ def init_expert_weights(num_experts: int, hidden: int, ffn: int, generator: torc
                         dtype: torch.dtype = torch.float32) -> dict:
     """Seeded global expert weights: {'w_gate': [E,D,F], 'w_up': [E,D,F], 'w_down': [E,F,D]}."""
     def rnd(*shape, fan_in):
-        return (torch.randn(*shape, generator=generator) / fan_in ** 0.5).to(dtype)
+        return (torch.randn(*shape, generator=generator, device=generator.device) / fan_in ** 0.5).to(dtype)
     return {"w_gate": rnd(num_experts, hidden, ffn, fan_in=hidden),
             "w_up": rnd(num_experts, hidden, ffn, fan_in=hidden),
             "w_down": rnd(num_experts, ffn, hidden, fan_in=ffn)}

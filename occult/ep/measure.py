@@ -6,8 +6,13 @@ Every timed thing uses this module: the recorder's spans and the accounted colle
 benchmark and the loopback calibration. A step lasts as long as its slowest rank, so
 over-all-ranks figures reduce with :func:`slowest`.
 
-The clock is the host's monotonic performance counter (``CLOCK = "host"``); every
-rank here computes on the CPU, where the host clock sees the work as it happens.
+The clock is the host's monotonic performance counter. On a CPU rank the host clock
+sees the work as it happens (``CLOCK = "host"``). On a CUDA rank kernels run
+asynchronously, so every clock read first waits for the rank's device to finish what
+was queued (``torch.cuda.synchronize``; ``CUDA_CLOCK = "cuda-synchronized"``): a
+phase's time is then its device time plus the host's launch overhead, and the
+synchronisation itself happens outside the timed intervals only where two reads are
+adjacent. :func:`use_device` sets the rank's device once, when the rank starts.
 """
 from __future__ import annotations
 
@@ -20,10 +25,28 @@ import torch
 import torch.distributed as dist
 
 CLOCK = "host"
+CUDA_CLOCK = "cuda-synchronized"
+# the CUDA device this process's rank computes on (None: a CPU rank); set by use_device
+_SYNC_DEVICE = None
+
+
+def use_device(device) -> None:
+    """Times this process's rank on ``device`` from now on (a CUDA device: synchronised reads)."""
+    global _SYNC_DEVICE
+    device = torch.device(device)
+    _SYNC_DEVICE = device if device.type == "cuda" else None
+
+
+def clock_name(backend: str) -> str:
+    """What times a run's ranks on ``backend``: the ``clock`` column of its rows."""
+    return CUDA_CLOCK if backend == "nccl" else CLOCK
 
 
 def clock() -> float:
-    """Seconds on the measuring clock (only differences mean anything)."""
+    """Seconds on the measuring clock (only differences mean anything); on a CUDA rank,
+    after the device has finished its queued work."""
+    if _SYNC_DEVICE is not None:
+        torch.cuda.synchronize(_SYNC_DEVICE)
     return perf_counter()
 
 
@@ -59,7 +82,7 @@ def slowest(ep, seconds: Union[float, Sequence[float]]) -> Union[float, list]:
     """The largest value over the ranks of ``ep`` (an all-reduce of the maximum), for one
     time or element-wise for a list of times."""
     many = not isinstance(seconds, (int, float))
-    t = torch.tensor(list(seconds) if many else [seconds], dtype=torch.float64)
+    t = torch.tensor(list(seconds) if many else [seconds], dtype=torch.float64, device=ep.device)
     if ep.world_size > 1 and t.numel():
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ep.group)
     return t.tolist() if many else t.item()

@@ -31,14 +31,14 @@ def expert_major_order(recv_Pe: torch.Tensor) -> torch.Tensor:
     order. Returns ``perm_R`` with ``rows[perm_R]`` grouped by local expert.
     """
     P, e = recv_Pe.shape
-    slot_R = torch.arange(e).repeat(P).repeat_interleave(recv_Pe.flatten())
+    slot_R = torch.arange(e, device=recv_Pe.device).repeat(P).repeat_interleave(recv_Pe.flatten())
     return torch.argsort(slot_R, stable=True)
 
 
 def inverse_permutation(perm_R: torch.Tensor) -> torch.Tensor:
     """``inv`` with ``inv[perm[i]] = i``."""
     inv = torch.empty_like(perm_R)
-    inv[perm_R] = torch.arange(perm_R.numel())
+    inv[perm_R] = torch.arange(perm_R.numel(), device=perm_R.device)
     return inv
 
 

@@ -30,7 +30,7 @@ class Placement:
         if counts.numel() != P or not bool((counts == E // P).all()):
             raise ValueError(f"placement: devices must host {E // P} experts each, got {counts.tolist()}")
         key = self.device_E * (E // P) + self.slot_E
-        if not torch.equal(torch.sort(key).values, torch.arange(E)):
+        if not torch.equal(torch.sort(key).values, torch.arange(E, device=key.device)):
             raise ValueError("placement: (device, slot) pairs must be distinct and slots in [0, E/P)")
 
     @property
@@ -51,17 +51,24 @@ class Placement:
         contiguous, placement-ordered weight tensor holds expert ``global_order()[i]``."""
         return torch.argsort(self.device_E * self.num_local + self.slot_E)
 
+    def to(self, device) -> "Placement":
+        """The same placement with its tensors on ``device`` (a rank's device)."""
+        device = torch.device(device)
+        if self.device_E.device == device:
+            return self
+        return Placement(self.device_E.to(device), self.slot_E.to(device), self.num_devices)
+
     @staticmethod
     def contiguous(num_experts: int, num_devices: int) -> "Placement":
-        """Expert i on device i // e, slot i % e (the default)."""
+        """Expert i on device i // e, slot i % e (the default; on the host, see :meth:`to`)."""
         e = num_experts // max(num_devices, 1)
-        ids = torch.arange(num_experts)
+        ids = torch.arange(num_experts, device="cpu")
         return Placement(ids // max(e, 1), ids % max(e, 1), num_devices)
 
     def is_contiguous(self) -> bool:
         """Whether this is :meth:`contiguous`: expert i on device i // e, slot i % e (the layout
         libraries with a dense [E, C, D] buffer assume: block i goes to device i // e)."""
-        ids = torch.arange(self.num_experts)
+        ids = torch.arange(self.num_experts, device=self.device_E.device)
         return (torch.equal(self.device_E, ids // self.num_local)
                 and torch.equal(self.slot_E, ids % self.num_local))
 
@@ -69,12 +76,12 @@ class Placement:
     def from_groups(groups: list[list[int]]) -> "Placement":
         """Device p hosts ``groups[p]`` in that slot order."""
         E = sum(len(g) for g in groups)
-        device_E = torch.full((E,), -1, dtype=torch.long)
-        slot_E = torch.full((E,), -1, dtype=torch.long)
+        device_E = torch.full((E,), -1, dtype=torch.long, device="cpu")
+        slot_E = torch.full((E,), -1, dtype=torch.long, device="cpu")
         for p, group in enumerate(groups):
-            idx = torch.tensor(group, dtype=torch.long)
+            idx = torch.tensor(group, dtype=torch.long, device="cpu")
             device_E[idx] = p
-            slot_E[idx] = torch.arange(len(group))
+            slot_E[idx] = torch.arange(len(group), device="cpu")
         if bool((device_E < 0).any()):
             raise ValueError("placement: groups must cover every expert exactly once")
         return Placement(device_E, slot_E, len(groups))

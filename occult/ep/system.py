@@ -69,6 +69,11 @@ class SystemConfig:
         """``harness`` or ``library``: who runs the scheme (the ``impl`` column)."""
         return self.system_class().impl
 
+    def impl_for(self, world_size: int) -> str:
+        """Who runs the scheme in a run of ``world_size`` ranks (a system that uses a library
+        only where it can says so here)."""
+        return self.impl
+
     @property
     def precision(self) -> str:
         """``float64`` or ``float32``: the floating-point type of the system's own arithmetic
@@ -93,6 +98,10 @@ class SystemConfig:
                 f"(cluster); system '{self.name}' needs equal expert groups. "
                 f"Allowed world sizes: {divisors(num_experts)}")
 
+    def check_task(self, task: str) -> None:
+        """Raises ``ValueError`` (one line) when this system cannot run ``task`` with these
+        options (e.g. a file that only some tasks make for it)."""
+
     def is_exact(self) -> bool:
         """Whether the system with these options returns exactly top-k MoE (False for
         schemes that drop tokens or change the routing)."""
@@ -106,7 +115,7 @@ class SystemConfig:
     def build(self, ep: EPGroup, layer: int, num_experts: int, placement: Optional[Placement] = None):
         """This rank's system for MoE layer ``layer``: a dispatcher with the layer's
         placement (``placement`` overrides it), or None for a system without one."""
-        placement = placement or self.layer_placement(layer, num_experts, ep.world_size)
+        placement = (placement or self.layer_placement(layer, num_experts, ep.world_size)).to(ep.device)
         return self.system_class()(ep, placement, self)
 
 

@@ -64,9 +64,10 @@ def hf_config(m, vocab_size: Optional[int] = None):
 
 
 def init_model(family: Family, config, seed: int) -> nn.Module:
-    """The family's causal LM with seeded random weights, float32, in eval mode."""
+    """The family's causal LM with seeded random weights, float32, on the host, in eval mode."""
     torch.manual_seed(seed)
-    model = family.model_class()(config).float()
+    with torch.device("cpu"):
+        model = family.model_class()(config).float()
     return model.eval()
 
 
@@ -95,8 +96,9 @@ def load_checkpoint(family: Family, path) -> nn.Module:
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()   # P ranks load at once: one bar each would fill the log
     try:
-        model, info = cls.from_pretrained(path, local_files_only=True, use_safetensors=True,
-                                          output_loading_info=True, dtype=torch.float32)
+        with torch.device("cpu"):
+            model, info = cls.from_pretrained(path, local_files_only=True, use_safetensors=True,
+                                              output_loading_info=True, dtype=torch.float32)
     except Exception as exc:  # transformers raises several types for a bad file
         raise CheckpointError(f"model.path={path}: cannot load {[w.name for w in weights]}: {exc}") from exc
     problems = []

@@ -20,12 +20,15 @@ from .ep_block import EPMoEBlock
 from .families import family_of
 
 
-def base_model(cfg, vocab_size: int, checkpoint: Optional[str] = None) -> nn.Module:
-    """The full single-device model: from ``checkpoint`` (a local folder), or seeded random."""
+def base_model(cfg, vocab_size: int, checkpoint: Optional[str] = None, device="cpu") -> nn.Module:
+    """The full single-device model: from ``checkpoint`` (a local folder), or seeded random
+    (built on the host), then on ``device`` in ``model.dtype``."""
     fam = family_of(cfg.model.family)
     if checkpoint:
-        return load_checkpoint(fam, checkpoint)
-    return init_model(fam, hf_config(cfg.model, vocab_size), cfg.seed)
+        model = load_checkpoint(fam, checkpoint)
+    else:
+        model = init_model(fam, hf_config(cfg.model, vocab_size), cfg.seed)
+    return model.to(device=device, dtype=getattr(torch, cfg.model.get("dtype", "float32")))
 
 
 def make_rank_model(ctx, model: nn.Module, cfg, placements: Optional[dict] = None) -> nn.Module:

@@ -99,7 +99,7 @@ def _inverse_order(placement: Placement) -> torch.Tensor:
     """Position of each global expert in placement order: shape [E]."""
     order_E = placement.global_order()
     inv_E = torch.empty_like(order_E)
-    inv_E[order_E] = torch.arange(order_E.numel())
+    inv_E[order_E] = torch.arange(order_E.numel(), device=order_E.device)
     return inv_E
 
 

@@ -32,7 +32,7 @@ def usage_matrix(topk_ids_TK: torch.Tensor, num_experts: int, dtype=torch.float6
     """
     _check_ids(topk_ids_TK, num_experts)
     T = topk_ids_TK.shape[0]
-    used_TE = torch.zeros(T, num_experts, dtype=dtype)
+    used_TE = torch.zeros(T, num_experts, dtype=dtype, device=topk_ids_TK.device)
     used_TE.scatter_(1, topk_ids_TK.long(), 1.0)
     return used_TE
 

@@ -97,7 +97,7 @@ def _cap_abs(load_E: torch.Tensor, num_devices: int, load_cap: Optional[float]) 
 
 def _device_loads(device_E: torch.Tensor, load_E: torch.Tensor, num_devices: int) -> torch.Tensor:
     """Sum of expert loads per device: [E], [E] -> [P] (float64)."""
-    return torch.zeros(num_devices, dtype=torch.float64).index_add_(0, device_E, load_E.double())
+    return torch.zeros(num_devices, dtype=torch.float64, device=device_E.device).index_add_(0, device_E, load_E.double())
 
 
 def device_load(topk_ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
@@ -177,9 +177,9 @@ def random(topk_ids_TK: torch.Tensor, num_experts: int, num_devices: int, *,
     """A seeded random equal partition, repaired by :func:`rebalance` if above the cap."""
     e = check_partition(num_experts, num_devices)
     check_load_cap(load_cap)
-    perm_E = torch.randperm(num_experts, generator=torch.Generator().manual_seed(seed))
-    device_E = torch.empty(num_experts, dtype=torch.long)
-    device_E[perm_E] = torch.arange(num_experts) // e
+    perm_E = torch.randperm(num_experts, generator=torch.Generator(device="cpu").manual_seed(seed), device="cpu")
+    device_E = torch.empty(num_experts, dtype=torch.long, device="cpu")
+    device_E[perm_E] = torch.arange(num_experts, device="cpu") // e
     load_E = expert_load(topk_ids_TK, num_experts)
     device_E = rebalance(device_E, load_E, num_devices, _cap_abs(load_E, num_devices, load_cap))
     return _placement_from_device(device_E, num_devices)
@@ -201,11 +201,12 @@ def _agglomerate(counts_EE: torch.Tensor, e: int, cap_abs: float, seed: int) -> 
     affinity_EE = counts_EE.double().clone()
     affinity_EE.fill_diagonal_(0)
     # seeded tie-break: counts are integers, so a jitter in [0, 0.5) only orders equal counts
-    jitter_EE = torch.rand(E, E, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 0.5
-    upper_EE = torch.ones(E, E, dtype=torch.bool).triu(1)
+    jitter_EE = torch.rand(E, E, generator=torch.Generator(device="cpu").manual_seed(seed), dtype=torch.float64,
+                           device="cpu").to(counts_EE.device) * 0.5
+    upper_EE = torch.ones(E, E, dtype=torch.bool, device=counts_EE.device).triu(1)
     members = [[i] for i in range(E)]
-    alive_E = torch.ones(E, dtype=torch.bool)
-    size_E = torch.ones(E, dtype=torch.float64)
+    alive_E = torch.ones(E, dtype=torch.bool, device=counts_EE.device)
+    size_E = torch.ones(E, dtype=torch.float64, device=counts_EE.device)
     load_E = torch.diagonal(counts_EE).double().clone()
     while True:
         ok_EE = (upper_EE & alive_E.unsqueeze(0) & alive_E.unsqueeze(1) & (affinity_EE > 0)
@@ -241,12 +242,13 @@ def _pack(groups: list[list[int]], counts_EE: torch.Tensor, num_devices: int, ca
     load_E = torch.diagonal(counts_EE)
     order = sorted(range(len(groups)), key=lambda g: (-len(groups[g]), -float(load_E[groups[g]].sum()), g))
     bins: list[list[int]] = [[] for _ in range(num_devices)]
-    bin_load_P = torch.zeros(num_devices, dtype=torch.float64)
+    bin_load_P = torch.zeros(num_devices, dtype=torch.float64, device=counts_EE.device)
     for g in order:
         items = list(groups[g])
         while items:
-            room_P = torch.tensor([e - len(b) for b in bins])
-            affinity_P = torch.tensor([float(counts_EE[items][:, b].sum()) if b else 0.0 for b in bins])
+            room_P = torch.tensor([e - len(b) for b in bins], device=counts_EE.device)
+            affinity_P = torch.tensor([float(counts_EE[items][:, b].sum()) if b else 0.0 for b in bins],
+                                      device=counts_EE.device)
             fits_P = room_P >= len(items)
             if bool(fits_P.any()):
                 within_P = fits_P & (bin_load_P + load_E[items].sum() <= cap_abs)
@@ -255,15 +257,15 @@ def _pack(groups: list[list[int]], counts_EE: torch.Tensor, num_devices: int, ca
                 p, take = int(torch.argmax(key_P)), items
             else:
                 p = int(torch.argmax(room_P.double() - 1e-12 * bin_load_P))
-                to_bin = counts_EE[items][:, bins[p]].sum(1) if bins[p] else torch.zeros(len(items))
+                to_bin = counts_EE[items][:, bins[p]].sum(1) if bins[p] else torch.zeros(len(items), device=counts_EE.device)
                 keep = torch.argsort(to_bin, descending=True, stable=True)[: int(room_P[p])]
                 take = [items[i] for i in keep.tolist()]
             bins[p] += take
             bin_load_P[p] += load_E[take].sum()
             items = [x for x in items if x not in set(take)]
-    device_E = torch.empty(E, dtype=torch.long)
+    device_E = torch.empty(E, dtype=torch.long, device=counts_EE.device)
     for p, b in enumerate(bins):
-        device_E[torch.tensor(b, dtype=torch.long)] = p
+        device_E[torch.tensor(b, dtype=torch.long, device=counts_EE.device)] = p
     return device_E
 
 
@@ -328,7 +330,7 @@ class _SwapState:
         E = device_E.numel()
         self.ids_TK = topk_ids_TK.long()
         self.num_devices = num_devices
-        off_KK = ~torch.eye(K, dtype=torch.bool)
+        off_KK = ~torch.eye(K, dtype=torch.bool, device=topk_ids_TK.device)
         # key a * E + b of every ordered pair (a, b) of distinct slots of one token: [T, K, K-1]
         self.pair_key_TKJ = (self.ids_TK.unsqueeze(2) * E + self.ids_TK.unsqueeze(1))[:, off_KK].view(T, K, K - 1)
         self.tokens_of = [torch.nonzero((self.ids_TK == x).any(1)).flatten() for x in range(E)]
@@ -340,8 +342,10 @@ class _SwapState:
     def set_assignment(self, device_E: torch.Tensor) -> None:
         self.device_E = device_E.clone()
         T = self.ids_TK.shape[0]
-        self.count_TP = torch.zeros(T, self.num_devices, dtype=torch.float64)
-        self.count_TP.scatter_add_(1, self.device_E[self.ids_TK], torch.ones(self.ids_TK.shape, dtype=torch.float64))
+        dev = self.ids_TK.device
+        self.count_TP = torch.zeros(T, self.num_devices, dtype=torch.float64, device=dev)
+        self.count_TP.scatter_add_(1, self.device_E[self.ids_TK],
+                                   torch.ones(self.ids_TK.shape, dtype=torch.float64, device=dev))
 
     def hits(self) -> int:
         """Total distinct (token, device) pairs: C_T times T."""
@@ -412,7 +416,7 @@ def _kick(state: _SwapState, load_E: torch.Tensor, cap_abs: float, num_swaps: in
         cand = torch.nonzero(ok_EE.flatten()).flatten()
         if cand.numel() == 0:
             return
-        pick = int(cand[torch.randint(cand.numel(), (1,), generator=generator)])
+        pick = int(cand[torch.randint(cand.numel(), (1,), generator=generator, device=generator.device)])
         a, b = pick // E, pick % E
         p, q = int(state.device_E[a]), int(state.device_E[b])
         loads_P[p] += load_E[b] - load_E[a]
@@ -467,12 +471,12 @@ def swap_search(topk_ids_TK: torch.Tensor, num_experts: int, num_devices: int, *
         key = rank(state.device_E, state.hits())
         if best is None or key < best[0]:
             best = (key, state.device_E.clone())
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
     state.set_assignment(best[1])
     for _ in range(rounds if num_devices > 1 else 0):
         if time.perf_counter() >= deadline:
             break
-        num_swaps = int(torch.randint(2, max(3, e // 2 + 1), (1,), generator=generator))
+        num_swaps = int(torch.randint(2, max(3, e // 2 + 1), (1,), generator=generator, device=generator.device))
         _kick(state, load_E, cap_abs, num_swaps, generator)
         _descend(state, load_E, cap_abs, deadline)
         key = rank(state.device_E, state.hits())

@@ -28,10 +28,8 @@ def cap_label(cap: Optional[float]) -> str:
 
 def sfd_rows_per_device(topk_ids_TK: torch.Tensor, placement) -> torch.Tensor:
     """Occult rows each device receives: tokens with at least one expert there, [P]."""
-    T = topk_ids_TK.shape[0]
-    hit_TP = torch.zeros(T, placement.num_devices, dtype=torch.bool)
-    hit_TP[torch.arange(T).unsqueeze(1), placement.device_E[topk_ids_TK]] = True
-    return hit_TP.sum(0)
+    from ..ep.accounting import device_hits
+    return device_hits(topk_ids_TK, placement).sum(0)
 
 
 def judge(placement, profile_ids: torch.Tensor, held_ids: torch.Tensor, held_home: torch.Tensor) -> dict:

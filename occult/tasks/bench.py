@@ -56,9 +56,9 @@ def prepare(cfg_dict: dict) -> dict:
     return cfg_dict
 
 
-def _tagged(rows: list, config, base_id: str) -> list:
+def _tagged(rows: list, config, base_id: str, world_size: int) -> list:
     """``rows`` with the compared system's context columns."""
-    tag = {"system": config.name, "impl": config.impl, "system_options": config.options_json(),
+    tag = {"system": config.name, "impl": config.impl_for(world_size), "system_options": config.options_json(),
            "run_id": f"{base_id}/{config.name}"}
     return [{**r, **tag} for r in rows]
 
@@ -95,5 +95,5 @@ def run_rank(ctx, cfg_dict: dict) -> list:
     out = []
     for i, config in enumerate(systems):
         rows[i] += comm_rows(recs[i]) + routing_rows(ctx, recs[i], layers[i].dispatcher.placement)
-        out += _tagged(rows[i], config, base_id)
+        out += _tagged(rows[i], config, base_id, ctx.world_size)
     return out

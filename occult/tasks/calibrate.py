@@ -56,9 +56,9 @@ def _time_a2a(ctx, rank_bytes: int, reps: int, work_ms=WORK_MS) -> list[float]:
     barrier."""
     P = ctx.world_size
     n = rank_bytes // 4 // max(P - 1, 1)
-    send = torch.randn(n * P)
-    recv = torch.empty(n * P)
-    a_NN = torch.randn(128, 128)
+    send = torch.randn(n * P, device=ctx.device)
+    recv = torch.empty(n * P, device=ctx.device)
+    a_NN = torch.randn(128, 128, device=ctx.device)
     work = tuple(work_ms) if isinstance(work_ms, (tuple, list)) else (work_ms,)
     out = []
     for i in range(reps + 1):                         # one warm-up call
@@ -70,16 +70,15 @@ def _time_a2a(ctx, rank_bytes: int, reps: int, work_ms=WORK_MS) -> list[float]:
     return out[1:]
 
 
-def _grouped_seconds(local_experts: int, rows: int, reps: int) -> float:
+def _grouped_seconds(local_experts: int, rows: int, reps: int, device="cpu") -> float:
     """Median seconds of the shared grouped SwiGLU experts (occult.ep.experts) on ``rows``
     rows spread evenly over ``local_experts`` experts."""
     from ..ep.experts import grouped_swiglu
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device="cpu").manual_seed(0)
     e = local_experts
-    x = torch.randn(rows, HIDDEN, generator=g)
-    wg, wu = torch.randn(e, HIDDEN, FFN, generator=g), torch.randn(e, HIDDEN, FFN, generator=g)
-    wd = torch.randn(e, FFN, HIDDEN, generator=g)
-    counts = torch.full((e,), rows // e, dtype=torch.long)
+    x, wg, wu, wd = (torch.randn(*shape, generator=g, device="cpu").to(device)
+                     for shape in ((rows, HIDDEN), (e, HIDDEN, FFN), (e, HIDDEN, FFN), (e, FFN, HIDDEN)))
+    counts = torch.full((e,), rows // e, dtype=torch.long, device=device)
     counts[: rows - int(counts.sum())] += 1
     took = []
     for _ in range(reps + 1):
@@ -105,7 +104,7 @@ def calibration_rows(ctx, sizes=RANK_BYTES, reps: int = 8) -> list:
             rows.append(row("calib_local_experts", e, "experts", layer=i))
             rows.append(row("calib_expert_hidden", HIDDEN, "D", layer=i))
             rows.append(row("calib_expert_ffn", FFN, "F", layer=i))
-        rows.append(row("calib_expert_time", _grouped_seconds(e, n, reps) * 1e3, "ms", layer=i, rank=ctx.rank))
+        rows.append(row("calib_expert_time", _grouped_seconds(e, n, reps, ctx.device) * 1e3, "ms", layer=i, rank=ctx.rank))
     return rows
 
 

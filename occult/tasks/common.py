@@ -67,23 +67,25 @@ def comm_rows(rec: Recorder) -> list:
 
 def routing_rows(ctx, rec: Recorder, placement) -> list:
     """C_T (all, remote), intra-collaboration ratio and rows per token, per rank and
-    over all ranks (``rank=-1``, from an all-gather of every rank's top-k ids).
-    ``placement``: one Placement, or {layer: Placement}."""
+    over all ranks (``rank=-1``, from an all-gather of every rank's top-k ids), computed
+    on the host after the timed work. ``placement``: one Placement, or {layer: Placement}."""
     out = []
     per_layer: dict = {}
     for layer, ids, *_ in rec.routing:          # several calls per layer (decode steps): concatenated
         per_layer.setdefault(layer, []).append(ids)
     for layer, pieces in sorted(per_layer.items()):
-        ids = torch.cat(pieces)
-        pl = placement.get(layer) if isinstance(placement, dict) else placement
+        ids = torch.cat(pieces).cpu()          # device-to-host: the routing, after timing
+        pl = (placement.get(layer) if isinstance(placement, dict) else placement).to("cpu")
         gathered = [None] * ctx.world_size
         if ctx.world_size > 1:
             dist.all_gather_object(gathered, ids, group=ctx.ep.group)
         else:
             gathered = [ids]
-        home = torch.cat([torch.full((g.shape[0],), r, dtype=torch.long) for r, g in enumerate(gathered)])
+        home = torch.cat([torch.full((g.shape[0],), r, dtype=torch.long, device="cpu")
+                          for r, g in enumerate(gathered)])
         all_ids = torch.cat(gathered)
-        for rank, ids_r, home_r in ((ctx.rank, ids, torch.full((ids.shape[0],), ctx.rank)), (-1, all_ids, home)):
+        mine = torch.full((ids.shape[0],), ctx.rank, dtype=torch.long, device="cpu")
+        for rank, ids_r, home_r in ((ctx.rank, ids, mine), (-1, all_ids, home)):
             if rank == -1 and ctx.rank != 0:
                 continue
             out += [row("ct_all", ct_all(ids_r, pl), "devices/token", layer=layer, rank=rank),
@@ -95,7 +97,7 @@ def routing_rows(ctx, rec: Recorder, placement) -> list:
             if ev.layer == layer and ev.phase in ("dispatch", "combine"):
                 sent[(ev.phase, ev.direction)] = sent.get((ev.phase, ev.direction), 0) + sum(ev.rows_P)
         for (phase, direction), n in sorted(sent.items()):
-            total = torch.tensor([n, ids.shape[0]], dtype=torch.long)
+            total = torch.tensor([n, ids.shape[0]], dtype=torch.long, device=ctx.device)
             if ctx.world_size > 1:
                 dist.all_reduce(total, group=ctx.ep.group)
             if ctx.rank == 0 and total[1] > 0:

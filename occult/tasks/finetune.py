@@ -88,7 +88,7 @@ def clip_global_grad_norm(ctx, model: nn.Module, max_norm: float) -> float:
     so replicas stay identical. Returns the norm before clipping."""
     experts = expert_parameters(model)
     grads = [(id(p) in experts, p.grad) for p in model.parameters() if p.grad is not None]
-    sq = torch.zeros(2, dtype=torch.float64)
+    sq = torch.zeros(2, dtype=torch.float64, device=ctx.device)
     for is_expert, g in grads:
         sq[int(is_expert)] += g.detach().double().pow(2).sum()
     if ctx.world_size > 1:
@@ -121,7 +121,7 @@ def finetune(ctx, model: nn.Module, family, batches, steps: int, lr: float, prog
     losses = []
     bar = tqdm(range(steps), desc="finetune", disable=not progress, mininterval=5.0)
     for _ in bar:
-        x_BS, y_BS = next(batches)
+        x_BS, y_BS = (b.to(ctx.device) for b in next(batches))
         logits_BSV = model(input_ids=x_BS).logits
         loss = nnf.cross_entropy(logits_BSV.flatten(0, 1), y_BS.flatten())
         loss.backward()
@@ -159,20 +159,21 @@ def evaluate_rank_model(ctx, model: nn.Module, ids_N: torch.Tensor, seq_len: int
     total, correct, n = 0.0, 0, 0
     with recording(rec):
         for x_BS, y_BS in eval_batches(ids_N, EVAL_WINDOWS_PER_BATCH, seq_len):
+            x_BS, y_BS = x_BS.to(ctx.device), y_BS.to(ctx.device)
             logits_BSV = model(input_ids=x_BS).logits
             total += nnf.cross_entropy(logits_BSV.flatten(0, 1).float(), y_BS.flatten(), reduction="sum").item()
             correct += (logits_BSV.argmax(-1) == y_BS).sum().item()
             n += y_BS.numel()
     layers = sorted({layer for layer, *_ in rec.routing})
     # per layer: distinct devices (all), distinct remote devices, tokens
-    sums = torch.zeros(len(layers) + 1, 3, dtype=torch.float64)
-    sums[-1] = torch.tensor([total, correct, n], dtype=torch.float64)
+    sums = torch.zeros(len(layers) + 1, 3, dtype=torch.float64, device=ctx.device)
+    sums[-1] = torch.tensor([total, correct, n], dtype=torch.float64, device=ctx.device)
     for i, layer in enumerate(layers):
         ids_TK = torch.cat([ids for li, ids, *_ in rec.routing if li == layer])
         hits_T = devices_per_token(ids_TK, placements[layer])
         home_local_T = (placements[layer].device_E[ids_TK] == ctx.rank).any(dim=1)
         sums[i] = torch.tensor([float(hits_T.sum()), float((hits_T - home_local_T.long()).sum()),
-                                float(ids_TK.shape[0])], dtype=torch.float64)
+                                float(ids_TK.shape[0])], dtype=torch.float64, device=ctx.device)
     if ctx.world_size > 1:
         dist.all_reduce(sums, group=ctx.ep.group)
     total, correct, n = sums[-1].tolist()
@@ -190,7 +191,7 @@ def _placements(model: nn.Module) -> dict:
 
 def _mean_over_ranks(ctx, values: list) -> list:
     """Element-wise mean of a list of floats over ranks (every rank has the same length)."""
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
     if ctx.world_size > 1 and t.numel():
         dist.all_reduce(t, group=ctx.ep.group)
         t /= ctx.world_size

@@ -22,15 +22,20 @@ from ..synthetic import expert_popularity, sample_topk
 from .common import comm_rows, parity_gate, routing_rows, timing_rows
 
 
-def expert_weights(expert_ids, hidden: int, ffn: int, seed: int, dtype) -> GroupedExperts:
-    """Experts ``expert_ids`` (slot order), each from its own seeded generator."""
+def expert_weights(expert_ids, hidden: int, ffn: int, seed: int, dtype, device) -> GroupedExperts:
+    """Experts ``expert_ids`` (slot order), each from its own seeded generator (drawn on
+    the host, so every device gets the same weights), on ``device``."""
     gates, ups, downs = [], [], []
     for i in expert_ids.tolist():
-        g = torch.Generator().manual_seed(seed * 1_000_003 + 7919 * (i + 1))
-        gates.append(torch.randn(hidden, ffn, generator=g) / hidden ** 0.5)
-        ups.append(torch.randn(hidden, ffn, generator=g) / hidden ** 0.5)
-        downs.append(torch.randn(ffn, hidden, generator=g) / ffn ** 0.5)
-    stack = lambda ts, shape: torch.stack(ts).to(dtype) if ts else torch.zeros((0,) + shape, dtype=dtype)
+        g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + 7919 * (i + 1))
+        gates.append(torch.randn(hidden, ffn, generator=g, device="cpu") / hidden ** 0.5)
+        ups.append(torch.randn(hidden, ffn, generator=g, device="cpu") / hidden ** 0.5)
+        downs.append(torch.randn(ffn, hidden, generator=g, device="cpu") / ffn ** 0.5)
+
+    def stack(ts, shape):
+        out = torch.stack(ts) if ts else torch.zeros((0,) + shape, device="cpu")
+        return out.to(device=device, dtype=dtype)
+
     return GroupedExperts(stack(gates, (hidden, ffn)), stack(ups, (hidden, ffn)), stack(downs, (ffn, hidden)))
 
 
@@ -40,24 +45,26 @@ def build_layer(ctx, cfg, system=None) -> MoELayer:
     m = cfg.model
     dtype = getattr(torch, m.dtype)
     dispatcher = system_config(cfg.system if system is None else system).build(ctx.ep, 0, m.num_experts)
-    g = torch.Generator().manual_seed(cfg.seed)
-    router = TopKRouter((torch.randn(m.num_experts, m.hidden_size, generator=g) / m.hidden_size ** 0.5)
-                        .to(dtype), m.top_k, m.norm_topk_prob)
-    experts = expert_weights(dispatcher.local_expert_ids, m.hidden_size, m.expert_ffn_size, cfg.seed, dtype)
+    g = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    router_ED = torch.randn(m.num_experts, m.hidden_size, generator=g, device="cpu") / m.hidden_size ** 0.5
+    router = TopKRouter(router_ED.to(device=ctx.device, dtype=dtype), m.top_k, m.norm_topk_prob)
+    experts = expert_weights(dispatcher.local_expert_ids, m.hidden_size, m.expert_ffn_size, cfg.seed, dtype,
+                             ctx.device)
     return MoELayer(router, experts, dispatcher, layer_idx=0)
 
 
 def make_inputs(ctx, cfg):
-    """This rank's tokens, forced top-k ids (None for the router) and upstream gradient."""
+    """This rank's tokens, forced top-k ids (None for the router) and upstream gradient,
+    drawn on the host from the seed and moved to the rank's device."""
     m, t = cfg.model, cfg.task
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 104729 * (ctx.rank + 1))
-    dtype = getattr(torch, m.dtype)
-    x_TD = torch.randn(t.tokens_per_rank, m.hidden_size, generator=g).to(dtype)
-    grad_TD = torch.randn(t.tokens_per_rank, m.hidden_size, generator=g).to(dtype)
+    g = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + 104729 * (ctx.rank + 1))
+    to = dict(device=ctx.device, dtype=getattr(torch, m.dtype))
+    x_TD = torch.randn(t.tokens_per_rank, m.hidden_size, generator=g, device="cpu").to(**to)
+    grad_TD = torch.randn(t.tokens_per_rank, m.hidden_size, generator=g, device="cpu").to(**to)
     ids_TK = None
     if t.routing != "router":
         ids_TK = sample_topk(t.tokens_per_rank, m.top_k,
-                             expert_popularity(t.routing, m.num_experts, t.zipf_s), g)
+                             expert_popularity(t.routing, m.num_experts, t.zipf_s), g).to(ctx.device)
     return x_TD, ids_TK, grad_TD
 
 

@@ -48,12 +48,12 @@ def setup(ctx, cfg):
     rows = []
     if cfg.task.check_parity and system_config(cfg.system).expert_parallel:
         rows += parity_gate(ctx, cfg.system, cfg.model.num_experts, cfg.model.top_k, "router")
-    model = make_rank_model(ctx, base_model(cfg, vocab, cfg.get("checkpoint")), cfg)
+    model = make_rank_model(ctx, base_model(cfg, vocab, cfg.get("checkpoint"), device=ctx.device), cfg)
     return model.eval(), tok, rows
 
 
 def rank_batch(ctx, cfg, tok, batch_size: int, seq_len: int, index: int = 0) -> torch.Tensor:
-    """Held-out sequences for this rank: eval windows, rank r takes its own block."""
+    """Held-out sequences for this rank, on its device: eval windows, rank r takes its own block."""
     ids_N = token_ids(cfg.task.corpus, cfg.task.split, tok)
     need = (index * ctx.world_size + ctx.rank + 1) * batch_size
     batches = eval_batches(ids_N, need, seq_len)
@@ -61,7 +61,7 @@ def rank_batch(ctx, cfg, tok, batch_size: int, seq_len: int, index: int = 0) -> 
     if x_BS.shape[0] < need:
         raise ValueError(f"task.batch_size={batch_size} x {ctx.world_size} ranks x task.seq_len={seq_len} "
                          f"needs more held-out text than the {cfg.task.split} split has")
-    return x_BS[need - batch_size:need]
+    return x_BS[need - batch_size:need].to(ctx.device)
 
 
 def _finish(ctx, cfg, rec: Recorder, rows: list, model) -> list:
@@ -136,7 +136,7 @@ def decode_rank(ctx, cfg_dict: dict) -> list:
                 out = model(input_ids=nxt, cache=cache, use_cache=True)
                 cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
                 steps.append(clock() - ts)
-        worst = torch.tensor(slowest(ctx.ep, steps + [ttft]), dtype=torch.float64)
+        worst = torch.tensor(slowest(ctx.ep, steps + [ttft]), dtype=torch.float64, device="cpu")
         if sample < 0:
             continue
         rows += timing_rows(rec, sample)
@@ -164,7 +164,7 @@ def train_rank(ctx, cfg_dict: dict) -> list:
     batches = batch_iterator(ids_N, t.batch_size, t.seq_len, seed=cfg.seed * 1000 + ctx.rank)
     rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives)
     for sample in _iterations(ctx, t, rec):
-        x_BS, y_BS = next(batches)
+        x_BS, y_BS = (b.to(ctx.device) for b in next(batches))
         t0 = clock()
         with recording(rec):
             logits = model(input_ids=x_BS).logits

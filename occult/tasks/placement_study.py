@@ -48,11 +48,12 @@ def _windows_forward(ctx, model, windows: list) -> dict:
     rec = Recorder(rank=ctx.rank)
     with torch.no_grad(), recording(rec):
         for x_BS, _ in windows:
-            model(input_ids=x_BS)
+            model(input_ids=x_BS.to(ctx.device))
     per_layer: dict = {}
     for layer, ids_TK, *_ in rec.routing:
         per_layer.setdefault(layer, []).append(ids_TK)
-    return {layer: torch.cat(parts) for layer, parts in per_layer.items()}
+    # device-to-host: the placement study optimises on the host
+    return {layer: torch.cat(parts).cpu() for layer, parts in per_layer.items()}
 
 
 def _gather_ids(ctx, local: dict) -> tuple[dict, torch.Tensor]:
@@ -64,7 +65,8 @@ def _gather_ids(ctx, local: dict) -> tuple[dict, torch.Tensor]:
         dist.all_gather_object(gathered, local, group=ctx.ep.group)
     layers = sorted(gathered[0])
     ids = {layer: torch.cat([g[layer] for g in gathered]) for layer in layers}
-    home = torch.cat([torch.full((g[layers[0]].shape[0],), r, dtype=torch.long) for r, g in enumerate(gathered)])
+    home = torch.cat([torch.full((g[layers[0]].shape[0],), r, dtype=torch.long, device="cpu")
+                      for r, g in enumerate(gathered)])
     return ids, home
 
 

@@ -103,7 +103,7 @@ def expert_load(model, family, ids_N, batch_size: int, seq_len: int, max_batches
     tap.remove()
     layers = [i for i, _, _ in moe_blocks(model, family)]
     E = moe_blocks(model, family)[0][2].gate.weight.shape[0]
-    counts = {i: torch.zeros(E) for i in layers}
+    counts = {i: torch.zeros(E, device="cpu") for i in layers}
     for j, (_, ids_TK) in enumerate(tap.calls):
         counts[layers[j % len(layers)]] += torch.bincount(ids_TK.flatten(), minlength=E).float()
     return [(i, int((c == 0).sum()), float(c.max() / c.mean())) for i, c in counts.items()]

@@ -26,8 +26,9 @@ def write_trace(ctx, rec: Recorder, out_dir: Path) -> None:
     per_layer: dict = {}
     for layer, ids, weights, logits in rec.routing:
         per_layer.setdefault(layer, []).append((ids, weights, logits))
-    local = {layer: tuple(None if parts[0][j] is None else torch.cat([p[j] for p in parts]).float()
-                          if j else torch.cat([p[0] for p in parts]) for j in range(3))
+    # device-to-host: the trace is written after the timed work
+    local = {layer: tuple(None if parts[0][j] is None else torch.cat([p[j] for p in parts]).float().cpu()
+                          if j else torch.cat([p[0] for p in parts]).cpu() for j in range(3))
              for layer, parts in per_layer.items()}
     gathered = _gather(ctx, local)
     if ctx.rank != 0:

@@ -1,0 +1,244 @@
+"""`make gpu-check`: everything in the harness that needs a GPU, on one GPU, into one results file.
+
+    python -m occult.gpu_check                 # writes runs/gpu_check/<stamp>/gpu_check.json and .md
+    python -m occult.gpu_check --tokens 4096   # a shorter check
+
+Planned for one GPU (an H200) and at most 8 minutes; each step is timed, and a step that
+cannot run (a library not installed, no second process) is recorded with why, the
+others go on. Install the GPU extras first (``pip install -e '.[gpu]'``: triton,
+megablocks).
+
+1. The device: name, capability, memory, library versions.
+2. Occult's Triton kernels against its PyTorch path at the OLMoE layer shape (E=64, K=8,
+   D=2048, F=1024, ``--tokens`` 8192 tokens, bf16, one rank): outputs and every gradient
+   compared first (relative error at most 2e-2 in bf16), then forward and forward+backward
+   times of both paths; and the kernels at float32 on the parity suite's small cases
+   against the single-device reference (1e-4).
+3. The MegaBlocks library's dMoE experts at EP=1 (``system=megablocks``, ``library=on``)
+   against the single-device reference (bf16), then its forward time beside the
+   harness's scheme.
+4. A one-rank NCCL world: ``python run.py -m cluster=gpu1 system=naive,occult task=layer
+   model=bench_olmoe model.dtype=bfloat16``, every run's parity gate and its layer times.
+5. The GPU's expert-GEMM throughput (the grouped SwiGLU of step 2's shape, bf16) and its
+   memory bandwidth (a 1 GiB device-to-device copy). They replace the datasheet peak
+   and efficiency of ``conf/profile/sim_h100x8.yaml`` in a measured profile written
+   beside the results (``profile_<gpu>x8_measured.yaml``: compute and memory measured,
+   links still the datasheet's), for ``python -m analysis.project RUNS --profile <that file>``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import traceback
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+OCCULT = "occult.collab.dispatcher.OccultDispatcher"
+MEGABLOCKS = "baselines.megablocks.MegaBlocksDispatcher"
+E, K, D, F = 64, 8, 2048, 1024
+BF16_TOL, FP32_TOL = 2e-2, 1e-4
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def _timed(fn, reps: int = 5) -> float:
+    """Median milliseconds of ``fn()`` on the device (synchronised clock), after one warm-up."""
+    from .ep.measure import clock
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = clock()
+        fn()
+        times.append((clock() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _world():
+    """A one-rank context on cuda:0 (no process group: nothing is exchanged at P = 1)."""
+    from .dist import RankContext
+    from .ep import EPGroup
+    from .ep.measure import use_device
+    use_device("cuda:0")
+    return RankContext(0, 1, EPGroup(0, 1, None, "cuda:0"), 0)
+
+
+def device_facts() -> dict:
+    import importlib.metadata as md
+    p = torch.cuda.get_device_properties(0)
+    versions = {}
+    for pkg in ("torch", "triton", "megablocks"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    return {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_GiB": p.total_memory / 2 ** 30,
+            "multiprocessors": p.multi_processor_count, "versions": versions}
+
+
+def _layer(ctx, system: dict, tokens: int, seed: int = 0):
+    """One MoE layer of the OLMoE shape for ``system`` in bf16 on the GPU, with its inputs."""
+    from .ep import MoELayer, system_config
+    from .ep.experts import init_expert_weights
+    from .synthetic import expert_popularity, sample_topk
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    to = dict(device=ctx.device, dtype=torch.bfloat16)
+    router = (torch.randn(E, D, generator=g, device="cpu") / D ** 0.5).to(**to)
+    experts = {k: w.to(**to) for k, w in init_expert_weights(E, D, F, g).items()}
+    dispatcher = system_config(system).build(ctx.ep, 0, E)
+    layer = MoELayer.from_global(router, experts, K, dispatcher)
+    x = torch.randn(tokens, D, generator=g, device="cpu").to(**to)
+    grad = torch.randn(tokens, D, generator=g, device="cpu").to(**to)
+    ids = sample_topk(tokens, K, expert_popularity("uniform", E), g).to(ctx.device)
+    return layer, x, grad, ids
+
+
+def _fwd_bwd(layer, x, grad, ids):
+    layer.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_(True)
+    out = layer(xi, None, ids)
+    out.backward(grad)
+    return out.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def triton_kernels(tokens: int) -> dict:
+    """Step 2: Occult's Triton path against its PyTorch path, then both timed."""
+    from .parity import LayerCase, check_layer
+    ctx = _world()
+    res = {}
+    layers = {k: _layer(ctx, {"name": "occult", "_target_": OCCULT, "kernels": k}, tokens) for k in ("torch", "triton")}
+    (ref_out, ref_gx, ref_gp), (out, gx, gp) = (_fwd_bwd(*layers[k]) for k in ("torch", "triton"))
+    errors = {"out": _rel(out, ref_out), "grad_x": _rel(gx, ref_gx)}
+    errors.update({f"grad_{n}": _rel(gp[n], ref_gp[n]) for n in ref_gp if ref_gp[n] is not None})
+    res["bf16_errors_vs_torch_path"] = errors
+    res["bf16_parity"] = all(v <= BF16_TOL for v in errors.values())
+    small = [LayerCase(8, 2, (37,), dtype="float32", hidden=64, ffn=32, seed=1),
+             LayerCase(64, 8, (256,), dtype="float32", hidden=128, ffn=64, routing="router", seed=2)]
+    fp32 = [check_layer(ctx, {"name": "occult", "_target_": OCCULT, "kernels": "triton"}, c)["errors"] for c in small]
+    res["fp32_errors_vs_reference"] = fp32
+    res["fp32_parity"] = all(v <= FP32_TOL for e in fp32 for v in e.values())
+    if res["bf16_parity"] and res["fp32_parity"]:          # timed only once it is right
+        for k, (layer, x, grad, ids) in layers.items():
+            with torch.no_grad():
+                res[f"{k}_forward_ms"] = _timed(lambda: layer(x, None, ids))
+            res[f"{k}_forward_backward_ms"] = _timed(lambda: _fwd_bwd(layer, x, grad, ids))
+        res["triton_over_torch_forward"] = res["triton_forward_ms"] / res["torch_forward_ms"]
+        res["triton_over_torch_forward_backward"] = res["triton_forward_backward_ms"] / res["torch_forward_backward_ms"]
+    return res
+
+
+def megablocks_library(tokens: int) -> dict:
+    """Step 3: the MegaBlocks library's dMoE experts at EP=1 against the reference."""
+    from baselines.megablocks import library_available
+    from .parity import LayerCase, check_layer
+    if not library_available():
+        return {"skipped": "megablocks does not import here (pip install -e '.[gpu]')"}
+    ctx = _world()
+    system = {"name": "megablocks", "_target_": MEGABLOCKS, "library": "on"}
+    cases = [LayerCase(8, 2, (64,), dtype="bfloat16", hidden=128, ffn=64, seed=3),
+             LayerCase(64, 8, (512,), dtype="bfloat16", hidden=256, ffn=128, routing="router", seed=4)]
+    errors = [check_layer(ctx, system, c)["errors"] for c in cases]
+    res = {"bf16_errors_vs_reference": errors, "bf16_parity": all(v <= BF16_TOL for e in errors for v in e.values())}
+    if res["bf16_parity"]:
+        for name, sysd in (("library", system), ("harness", {**system, "library": "off"})):
+            layer, x, _, ids = _layer(ctx, sysd, tokens)
+            with torch.no_grad():
+                res[f"{name}_forward_ms"] = _timed(lambda: layer(x, None, ids))
+    return res
+
+
+def nccl_world(out: Path, tokens: int) -> dict:
+    """Step 4: run.py on a one-rank NCCL world for naive and occult."""
+    import pandas as pd
+    sweep = out / "nccl_gpu1"
+    cmd = [sys.executable, "run.py", "-m", "cluster=gpu1", "system=naive,occult", "task=layer", "model=bench_olmoe",
+           "model.dtype=bfloat16", f"task.tokens_per_rank={tokens}", "task.iters=3", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = {"command": " ".join(cmd[1:]), "returncode": proc.returncode}
+    if proc.returncode:
+        res["stderr_tail"] = proc.stderr[-2000:]
+        return res
+    for path in sweep.rglob("results.parquet"):
+        df = pd.read_parquet(path)
+        sel = df[(df.metric == "time") & (df.phase == "layer")]
+        res[df.system.iloc[0]] = {
+            "parity_checked": bool((df[df.metric == "parity_checked"].value == 1).all()),
+            "clock": df.clock.iloc[0], "device": df.device.iloc[0],
+            "layer_ms": {d: float(sel[sel["pass"] == d].value.median()) for d in sorted(set(sel["pass"]))}}
+    return res
+
+
+def throughput(tokens: int) -> dict:
+    """Step 5: grouped-SwiGLU throughput (bf16, step 2's shape) and device memory bandwidth."""
+    from .ep.experts import grouped_swiglu
+    _world()
+    g = torch.Generator(device="cpu").manual_seed(5)
+    to = dict(device="cuda:0", dtype=torch.bfloat16)
+    rows = tokens * K
+    x = torch.randn(rows, D, generator=g, device="cpu").to(**to)
+    w = [torch.randn(E, *shape, generator=g, device="cpu").to(**to) / 30 for shape in ((D, F), (D, F), (F, D))]
+    counts = torch.full((E,), rows // E, dtype=torch.long, device="cuda:0")
+    ms = _timed(lambda: grouped_swiglu(x, counts, *w))
+    big = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda:0")    # 1 GiB
+    dst = torch.empty_like(big)
+    copy_ms = _timed(lambda: dst.copy_(big))
+    return {"grouped_swiglu_ms": ms, "grouped_swiglu_TFLOPs": 6 * rows * D * F / (ms / 1e3) / 1e12,
+            "memory_GBps": 2 * big.numel() * big.element_size() / (copy_ms / 1e3) / 1e9,
+            "rows": rows, "experts": E, "hidden": D, "ffn": F}
+
+
+def measured_profile(name: str, tp: dict) -> str:
+    """A projection profile: sim_h100x8's links (datasheet), this GPU's measured compute and memory."""
+    import yaml
+    base = yaml.safe_load((ROOT / "conf" / "profile" / "sim_h100x8.yaml").read_text())
+    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    base.update(name=f"{slug}x8_measured", device_TFLOPs=round(tp["grouped_swiglu_TFLOPs"], 2),
+                compute_efficiency=1.0, memory_GBps=round(tp["memory_GBps"], 1),
+                source=f"device_TFLOPs and memory_GBps MEASURED by make gpu-check on {name} "
+                       f"({datetime.now():%Y-%m-%d}); links and latencies from sim_h100x8 (datasheet, assumed)")
+    return yaml.safe_dump(base, sort_keys=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens of the OLMoE-shaped layer")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("make gpu-check needs a CUDA GPU (torch.cuda.is_available() is False)")
+    out = Path(args.out or ROOT / "runs" / "gpu_check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    from .ep.measure import clock
+    report = {"device": device_facts(), "tokens": args.tokens}
+    steps = [("triton_kernels", lambda: triton_kernels(args.tokens)),
+             ("megablocks_library", lambda: megablocks_library(args.tokens)),
+             ("nccl_world", lambda: nccl_world(out, args.tokens)),
+             ("throughput", lambda: throughput(args.tokens))]
+    for name, step in steps:
+        t0 = clock()
+        try:
+            report[name] = step()
+        except Exception as exc:  # noqa: BLE001 - one failed step must not lose the others
+            report[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+        report[name]["seconds"] = clock() - t0
+        print(f"gpu-check {name}: {json.dumps(report[name], default=str)[:400]}", flush=True)
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    if "grouped_swiglu_TFLOPs" in report["throughput"]:
+        path = out / f"profile_{re.sub(r'[^a-z0-9]+', '_', report['device']['name'].lower())}x8_measured.yaml"
+        path.write_text(measured_profile(report["device"]["name"], report["throughput"]))
+        report["measured_profile"] = str(path)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    lines = [f"# gpu-check on {report['device']['name']}", "", "```", json.dumps(report, indent=1, default=str), "```"]
+    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    print(out / "gpu_check.json")
+
+
+if __name__ == "__main__":
+    main()
