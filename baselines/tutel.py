@@ -72,11 +72,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from types import SimpleNamespace
-from typing import Optional
 
 import torch
 
-from occult.ep import Recorder, SplitDispatcher, SystemConfig
+from occult.ep import SplitDispatcher, SystemConfig
 from occult.ep.measure import barrier, clock
 from occult.ep.observe import CallTrace, probe
 
@@ -237,6 +236,12 @@ class TutelDispatcher(SplitDispatcher):
             crit = tutel_routing(tutel.fast_dispatch, ids_SK, w_SK, self.placement.num_experts,
                                  self.config.capacity_factor, degree, self.ep.group)
         C = crit[4]
+        if C == 0:      # the same C on every rank: they all stop here
+            cf = self.config.capacity_factor
+            raise ValueError(f"system.capacity_factor={cf!r}: Tutel's capacity K * int({abs(cf)} * ceil(T / E)) "
+                             f"is 0 at this call's T tokens per rank and E = {self.placement.num_experts}, "
+                             "and its all-to-all cannot move an empty buffer; allowed: 0 (dropless) or a "
+                             "factor with |cf| * ceil(T / E) >= 1")
         kept = sum(int((loc_S[:T] < C).sum()) for loc_S in crit[2])
         y_ECD = tutel.moe.fast_encode(x_SD.contiguous(), crit)
         trace.rows_P, trace.row_bytes = [e * C] * P, D * y_ECD.element_size()

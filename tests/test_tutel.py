@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from occult.dist import launch
+from occult.dist import RankFailed, launch
 from occult.ep import EPGroup, Placement, system_config
 from occult.parity import run_model_grid
 
@@ -102,6 +102,13 @@ def test_library_and_harness_implementation_agree(world):
                 assert lib["rows"][key] == own["rows"][key], (name, rank, key)
             for quantity in ("out", "grad_x", "grad_router"):
                 assert rel(lib[quantity], own[quantity]) <= FP32, (name, rank, quantity)
+
+
+@pytest.mark.timeout(120)
+def test_a_capacity_of_zero_is_a_clear_error():
+    # cf = 0.1 on HAND: C = K * int(0.1 * ceil(8 / 4)) = 0, which Tutel's all-to-all cannot move
+    with pytest.raises(RankFailed, match="system.capacity_factor=0.1: Tutel's capacity"):
+        launch(calls_and_grid, P, ([(TUTEL, {"capacity_factor": 0.1}, HAND)], []), timeout_s=60)
 
 
 @pytest.mark.timeout(300)
