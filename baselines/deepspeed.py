@@ -83,18 +83,18 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from baselines.tutel import queue_positions
+from baselines.tutel_harness import queue_positions
 from occult.ep import Dispatcher, Exchange, Recorder, SystemConfig, exchange_counts
 from occult.ep.accounting import span
-from occult.ep.measure import barrier, clock
+from occult.ep.observe import CallTrace, probe
 
 DEEPSPEED_PIN = "0.19.8"
 # DeepSpeed builds a small C++ op on first use; the project keeps it, once per machine and
@@ -181,9 +181,7 @@ def init_deepspeed_comm(group) -> None:
 
 def check_contiguous(placement) -> None:
     """DeepSpeed's buffer puts global expert i in block i, sent to rank i // e: refuse others."""
-    E, e = placement.num_experts, placement.num_local
-    ids = torch.arange(E, device=placement.device_E.device)
-    if not (torch.equal(placement.device_E, ids // e) and torch.equal(placement.slot_E, ids % e)):
+    if not placement.is_contiguous():
         raise ValueError("system=deepspeed: DeepSpeed's MOELayer assumes the contiguous placement "
                          "(expert i on device i // e, slot i % e); this layer's placement is "
                          f"{placement.groups()}. Use the default placement with system=deepspeed.")
@@ -237,58 +235,6 @@ def build_routes(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_e
     indices_KT = torch.where(keep_KT, ids_KT, torch.full_like(ids_KT, -1)).to(torch.int32)
     locations_KT = torch.where(keep_KT, pos_KT, torch.zeros_like(pos_KT)).to(torch.int32)
     return Routes(capacity, indices_KT, locations_KT, _KMajor.apply(topk_weights_TK), need_E, int(keep_KT.sum()))
-
-
-@dataclass
-class CallTrace:
-    """One call's observation of DeepSpeed's two exchanges: rows per peer, times, logging.
-
-    Call-scoped (built by :meth:`DeepSpeedDispatcher.forward_moe`, referenced by the
-    call's gate, experts adapter and autograd probes); the dispatcher keeps none.
-    """
-
-    layer: int
-    recorder: Optional[Recorder]
-    ep: object                   # the EPGroup
-    rows_P: list = field(default_factory=list)      # rows per peer, set from the received buffer
-    row_bytes: int = 0
-    started: dict = field(default_factory=dict)     # (phase, direction) -> (t0, barrier wait)
-
-    def start(self, phase: str, direction: str) -> None:
-        """Just before an exchange (and its encode / decode): optional barrier, then the clock."""
-        rec = self.recorder
-        if rec is None:
-            return
-        wait = barrier(self.ep) if rec.sync_collectives else 0.0
-        self.started[(phase, direction)] = (clock(), wait)
-
-    def stop(self, phase: str, direction: str) -> None:
-        """Just after it: logs the exchange's rows per peer and its time."""
-        rec = self.recorder
-        if rec is None or (phase, direction) not in self.started:
-            return
-        t0, wait = self.started.pop((phase, direction))
-        rec.log_collective(layer=self.layer, phase=phase, direction=direction, rows_P=self.rows_P,
-                           row_bytes=self.row_bytes, seconds=clock() - t0, wait_seconds=wait)
-
-
-class _Probe(torch.autograd.Function):
-    """Identity whose backward calls ``on_grad()`` when the gradient reaches it."""
-
-    @staticmethod
-    def forward(ctx, x, on_grad: Callable[[], None]):
-        ctx.on_grad = on_grad
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.on_grad()
-        return grad, None
-
-
-def probe(x: torch.Tensor, on_grad: Callable[[], None]) -> torch.Tensor:
-    """``x``, with ``on_grad`` called in backward (plain ``x`` when nothing flows back)."""
-    return _Probe.apply(x, on_grad) if x.requires_grad else x
 
 
 class _RoutingGate(nn.Module):

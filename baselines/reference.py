@@ -22,6 +22,7 @@ class ReferenceModel:
 
     impl = "library"
     exact = True
+    precision = "float64"
 
     @dataclass
     class Config(SystemConfig):

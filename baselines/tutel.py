@@ -1,180 +1,268 @@
-"""system=tutel: Tutel's capacity-based expert parallelism (the harness's implementation).
+"""system=tutel: Tutel's expert parallelism, run by the tutel library itself.
 
-Tutel (like GShard) gives every expert a fixed number of slots per sending
-rank, fills a dense, padded buffer and moves it with an *equal-split*
-all-to-all, so the bytes on the wire do not depend on the routing:
+Tutel (microsoft/tutel 0.3, pinned commit :data:`TUTEL_COMMIT`, installed by ``make
+venv``) is a capacity scheme: every expert gets C slots from every rank, a dense,
+zero-padded [E, C, D] buffer moves in an equal-split all-to-all. Its ``moe_layer``
+owns a gate whose logits it always softmaxes (and renormalises), so it cannot take
+the harness's routing; this adapter drives the library's own lower layer instead,
+the calls ``moe_layer.forward`` makes on a CPU tensor:
 
-  sender    queue position of every (token, k) pair in its expert, Tutel's
-            priority: all first choices (k = 0) in token order, then all
-            second choices, ... (Tutel's ``extract_critical``: the locations
-            of choice k start after every choice < k of that expert);
-            pairs at position >= C are **dropped** and contribute nothing;
-            scatter the kept rows into buf_PeCD = [P, e, C, D] (one block of C
-            slots per destination rank and local expert, zeros elsewhere)
-  exchange  equal-split all-to-all: e*C rows to every rank whatever the load
-  receiver  [P, e, C, D] -> [e, P, C, D]: the experts run on every received
-            row, padding included (counts_e = P*C for each local expert)
-  exchange  equal-split all-to-all back
-  sender    gate-weighted sum of the kept pairs at home (Tutel's decode)
+  routing   ``tutel.impls.fast_dispatch.extract_critical`` (``tutel.moe.top_k_routing``):
+            Tutel's queue position of every (token, k) pair (first choices of
+            every token, then second choices, ...; ``fast_cumsum_sub_one``) and its
+            capacity C; fed with scores whose top-k order is exactly the harness's
+            top-k ids (``K - k`` at id k, 0 elsewhere), its gate values replaced by
+            the harness's gate weights (the only thing the scores would set), no
+            gate normalisation and no auxiliary loss (``loss_fn=None``: the
+            harness's router owns routing)
+  encode    ``tutel.moe.fast_encode``: every kept pair's token into its slot [E, C, D]
+  exchange  ``tutel.net.all_to_all(y, 1, 0)``: rank p gets its e experts' C slots
+            from every rank, [e, P*C, D] (e*C rows per peer whatever the load)
+  experts   the harness's ``GroupedExperts`` of this rank on all P*C rows of each
+            local expert, padding included (Tutel's ``expert_local`` on the same layout)
+  exchange  ``tutel.net.all_to_all(y, 0, 1)`` back to [E, C, D]
+  decode    ``tutel.moe.fast_decode``: each token's kept slots, gate-weighted and summed
+            (``is_postscore=True``: the gate is applied here, once)
 
-Capacity C, rows per (sending rank, expert), from ``capacity_factor`` cf as
-Tutel computes it: ``C = K * int(cf * ceil(T / E))`` for cf > 0, with T the
-largest token count of any rank (Tutel assumes equal T everywhere; the
-equal-split exchange needs one C on every rank). cf = 0 is dropless: C is
-the most rows any (rank, expert) pair needs. cf < 0 is Tutel's capped
-dropless mode: ``min(needed, K * int(-cf * ceil(T / E)))``. T and the need
-travel in one small counts exchange (Tutel uses a max all-reduce for cf <= 0);
-it is logged with phase ``counts``.
+Capacity, Tutel's rule (``capacity_factor`` cf, T the most tokens on any rank,
+``inequivalent_tokens=True`` so that ranks may hold different T):
 
-**Exactness**: with cf = 0 (the default in ``conf/system/tutel.yaml``) nothing
-is dropped and the result is exact top-k MoE, which is why the class says
-``exact = True``. With cf != 0 pairs beyond capacity are dropped and the
-output is top-k MoE *without those pairs*; :meth:`TutelDispatcher.stats`
-reports dropped pairs and padding rows for every call.
+* cf = 0 (default): dropless, C = the most pairs any rank sends one expert
+  (a max all-reduce). Exact top-k MoE.
+* cf > 0: C = ``K * int(cf * ceil(T / E))``; pairs at queue position >= C are dropped
+  (their gate weight is lost, the others are not renormalised).
+* cf < 0: dropless capped at the capacity of -cf, ``min(need, K * int(-cf * ceil(T / E)))``.
 
-Library: this is the harness's own implementation of the scheme
-(``impl = "harness"``); the tutel library is not driven by this harness. Tutel's
-``moe_layer`` owns its gate, its experts and its own all-to-all, which the
-Dispatcher contract (shared experts, accounted collectives) leaves no room
-for, and its encode/decode kernels compute in float32, so they could not pass
-the float64 parity gate; running them here would not make a "library" row.
+C is then rounded up to a multiple of ``a2a_ffn_overlap_degree`` (Tutel's alignment).
+That is all the degree does here: Tutel's layer takes its pipelined path (the
+all-to-all split into that many chunks, overlapped with expert compute) only for
+CUDA tensors, and that path needs the NCCL kernels of a CUDA build. This adapter
+refuses a degree above 1 on CUDA tensors instead of running something else.
 
-Shapes: T tokens, K top-k, D hidden, E experts, P ranks, e local experts,
-C capacity, Q kept (token, k) pairs, R buffer rows (P*e*C).
+Precision: Tutel's CPU kernels encode and decode in float32 (non-float16 inputs are
+cast to float32 and the result cast back), so ``precision = "float32"``: the parity
+check holds it to float32's tolerance. ``system=tutel_harness`` is the same scheme in
+the harness's own float64-exact code.
+
+Accounting: the collectives run inside Tutel and are observed
+(:mod:`occult.ep.observe`): the rows per peer are the equal split of the encoded
+buffer that went into ``tutel.net.all_to_all`` (e*C rows of D values), logged for
+phase ``dispatch`` and ``combine``, forward and backward (backward through autograd
+probes on each exchange's input and output); a logged time spans Tutel's
+``all_to_all`` call, the reshapes around its collective included. Tutel's routing
+all-reduces (the most tokens on any rank, and for cf <= 0 the largest load) are logged
+as phase ``counts``, one row of the reduced tensor per peer, by wrapping
+``fast_dispatch.simple_all_reduce`` for the duration of the routing call. Counters per
+call: ``dropped_pairs`` (pairs beyond capacity on this rank) and ``padding_rows``
+(zero rows this rank sends: E*C - kept pairs).
+
+A rank without tokens: Tutel's routing reads the last token's queue position and
+fails on none, so such a rank routes one placeholder token (zeros, experts 0..K-1,
+gate weight 0). It occupies slots of this rank only, changes C only when no rank has
+a token, adds nothing to any output, is not counted in the counters, and its output
+row is dropped.
+
+Shapes: T tokens, S samples Tutel routes (T, or 1 for a rank without tokens), K top-k,
+D hidden, E experts, P ranks, e local experts, C capacity, X = P*C rows per local expert.
 """
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from importlib import metadata
+from types import SimpleNamespace
 
 import torch
 
-from occult.ep import Exchange, Placement, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
-from occult.ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
+from occult.ep import SplitDispatcher, SystemConfig
+from occult.ep.measure import barrier, clock
+from occult.ep.observe import CallTrace, probe
 
+TUTEL_VERSION = "0.3"
+TUTEL_COMMIT = "82af7aad9fc3ec981395ba97e7242a480984a55e"
+# Tutel's overlap path splits the exchange into at most this many chunks
+# (tutel.impls.communicate.AllToAllStatus.max_num_split)
+MAX_OVERLAP_DEGREE = 32
+
+
+def load_tutel() -> SimpleNamespace:
+    """Tutel's modules this adapter calls (``moe``, ``net``, ``fast_dispatch``), checked for
+    the functions it uses; an ImportError says how to install the library."""
+    try:
+        from tutel import moe, net
+        from tutel.impls import fast_dispatch
+        version = metadata.version("tutel")
+    except ImportError as exc:
+        raise ImportError(
+            f"system=tutel runs the tutel library (microsoft/tutel {TUTEL_VERSION} at commit "
+            f"{TUTEL_COMMIT}), which is not installed ({exc}). `make venv` installs it: from the "
+            "wheel folder TUTEL_WHEELS (default ../shared/wheels) when there is one, else from its "
+            "source repository (README, 'Tutel').") from exc
+    needed = {"tutel.moe": (moe, ("fast_encode", "fast_decode")), "tutel.net": (net, ("all_to_all",)),
+              "tutel.impls.fast_dispatch": (fast_dispatch, ("extract_critical", "simple_all_reduce"))}
+    missing = [f"{mod}.{n}" for mod, (m, names) in needed.items() for n in names if not hasattr(m, n)]
+    if version != TUTEL_VERSION or missing:
+        raise ImportError(f"system=tutel drives tutel {TUTEL_VERSION} (commit {TUTEL_COMMIT}); found tutel "
+                          f"{version}" + (f" without {missing}" if missing else "") + ". Reinstall it with "
+                          "`make venv` (README, 'Tutel').")
+    return SimpleNamespace(moe=moe, net=net, fast_dispatch=fast_dispatch)
+
+
+@contextmanager
+def observed_all_reduces(fast_dispatch, trace: CallTrace):
+    """While the block runs, every all-reduce of Tutel's routing (``simple_all_reduce`` of
+    ``tutel.impls.fast_dispatch``) is timed and logged as phase ``counts``: one row of the
+    reduced tensor to each peer. The library's function is put back on exit."""
+    rec, inner = trace.recorder, fast_dispatch.simple_all_reduce
+    if rec is None:
+        yield
+        return
+
+    def observed(input, group=None, op=torch.distributed.ReduceOp.SUM, inplace=False):
+        wait = barrier(trace.ep) if rec.sync_collectives else 0.0
+        t0 = clock()
+        out = inner(input, group=group, op=op, inplace=inplace)
+        rec.log_collective(layer=trace.layer, phase="counts", direction="forward",
+                           rows_P=[1] * trace.ep.world_size, row_bytes=input.numel() * input.element_size(),
+                           seconds=clock() - t0, wait_seconds=wait)
+        return out
+
+    fast_dispatch.simple_all_reduce = observed
+    try:
+        yield
+    finally:
+        fast_dispatch.simple_all_reduce = inner
+
+
+def with_placeholder(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor):
+    """The samples Tutel routes: the rank's tokens, or for a rank without tokens one
+    placeholder (zeros, experts 0..K-1, gate weight 0): ``(x_SD, ids_SK, w_SK)``."""
+    if x_TD.shape[0]:
+        return x_TD, topk_ids_TK, topk_weights_TK
+    K = topk_ids_TK.shape[1]
+    return (torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])]),
+            torch.arange(K, dtype=topk_ids_TK.dtype, device=topk_ids_TK.device).unsqueeze(0),
+            torch.cat([topk_weights_TK, topk_weights_TK.new_zeros(1, K)]))
+
+
+def tutel_routing(fast_dispatch, ids_SK: torch.Tensor, w_SK: torch.Tensor, num_experts: int,
+                  capacity_factor: float, alignment: int, group) -> tuple:
+    """Tutel's routing tuple ``(E, indices_K, locations_K, gates_K, C, load_E)`` for the
+    harness's top-k ids and gate weights (see the module docstring): queue positions and
+    C from ``extract_critical``, gates = the columns of ``w_SK``. Every rank must call it
+    (it all-reduces)."""
+    S, K = ids_SK.shape
+    order_SE = torch.zeros(S, num_experts, device=ids_SK.device)
+    rank_K = K - torch.arange(K, dtype=order_SE.dtype, device=ids_SK.device)
+    order_SE.scatter_(1, ids_SK, rank_K.expand(S, K).contiguous())
+    (E, indices_K, locations_K, _, capacity, load_E), _ = fast_dispatch.extract_critical(
+        order_SE, K, loss_fn=None, capacity_factor=capacity_factor, batch_prioritized_routing=False,
+        normalize_gate=False, alignment=alignment, group=group, inequivalent_tokens=True)
+    if not torch.equal(torch.stack(indices_K, 1).to(ids_SK.dtype), ids_SK):
+        raise RuntimeError("system=tutel: Tutel's routing did not keep the harness's top-k ids "
+                           "(a token's top-k experts must be distinct)")
+    gates_K = [w_S.contiguous() for w_S in w_SK.unbind(1)]    # Tutel's kernels need contiguous gates
+    return E, indices_K, locations_K, gates_K, int(capacity), load_E
 
 
 @dataclass(frozen=True)
 class TutelHandle:
     """What combine needs, and the call's load figures."""
 
-    token_Q: torch.Tensor      # home token of each kept pair
-    weight_Q: torch.Tensor     # its gate weight
-    row_Q: torch.Tensor        # its row in the send buffer [P*e*C]
-    capacity: int              # C
-    num_tokens: int
-    dropped_pairs: int         # (token, k) pairs beyond capacity on this rank
-    padding_rows: int          # rows of zeros this rank sends (P*e*C - kept pairs)
-    layer: int
-    recorder: Optional[Recorder]
-
-
-def queue_positions(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each pair's position in its expert's queue, in Tutel's priority order.
-
-    Pairs are taken k-major (index k*T + t): every token's k-th choice comes
-    before any token's (k+1)-th, tokens in order within one k. Returns
-    ``pos_KT`` (flattened [K, T]: [K*T]) and ``need_E`` [E], the pairs each expert got.
-    """
-    ids_KT = topk_ids_TK.t().reshape(-1)
-    need_E = torch.bincount(ids_KT, minlength=num_experts)
-    start_E = torch.cumsum(need_E, 0) - need_E
-    order_KT = torch.argsort(ids_KT, stable=True)
-    pos_KT = torch.empty_like(ids_KT)
-    pos_KT[order_KT] = torch.arange(ids_KT.numel(), device=ids_KT.device) - start_E[ids_KT[order_KT]]
-    return pos_KT, need_E
-
-
-def capacity_rows(capacity_factor: float, top_k: int, max_tokens: int, num_experts: int,
-                  max_need: int) -> int:
-    """Tutel's capacity C per (sending rank, expert) (see the module docstring)."""
-    per_expert = -(-max_tokens // num_experts)
-    if capacity_factor > 0:
-        return top_k * int(capacity_factor * per_expert)
-    if capacity_factor == 0:
-        return max_need
-    return min(max_need, top_k * int(-capacity_factor * per_expert))
-
-
-def kept_pairs(topk_ids_TK: torch.Tensor, pos_KT: torch.Tensor, capacity: int, placement: Placement
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The pairs that fit in capacity: their token, their k, and their row in the send
-    buffer [P, e, C] (block = destination device * e + local slot, then the queue
-    position). Each has shape [Q]; ``pos_KT`` is k-major as :func:`queue_positions` gives it."""
-    T = max(topk_ids_TK.shape[0], 1)
-    kept_Q = torch.nonzero(pos_KT < capacity).flatten()     # k-major pair indices
-    ids_Q = topk_ids_TK.t().reshape(-1)[kept_Q]
-    block_Q = placement.device_E[ids_Q] * placement.num_local + placement.slot_E[ids_Q]
-    return kept_Q % T, kept_Q // T, block_Q * capacity + pos_KT[kept_Q]
-
-
-def swap_blocks(rows_RD: torch.Tensor, a: int, b: int, capacity: int) -> torch.Tensor:
-    """Rows laid out [a, b, C, D] -> [b, a, C, D] (a copy): [a*b*C, D] -> [a*b*C, D]."""
-    D = rows_RD.shape[1]
-    return rows_RD.reshape(a, b, capacity, D).transpose(0, 1).reshape(a * b * capacity, D)
+    crit: tuple            # Tutel's routing tuple (tutel_routing)
+    num_tokens: int        # T (the placeholder of a rank without tokens is not one)
+    capacity: int          # C
+    dropped_pairs: int     # (token, k) pairs beyond capacity on this rank
+    padding_rows: int      # zero rows this rank sends: E*C - kept pairs
+    trace: CallTrace
 
 
 class TutelDispatcher(SplitDispatcher):
-    """Tutel's capacity-padded, equal-split scheme.
+    """Tutel's encode, all-to-all and decode (the library), on the harness's routing and experts.
 
-    ``capacity_factor``: cf > 0 fixed capacity (drops overflow), 0 dropless
-    (default, exact), < 0 dropless capped at the cf > 0 capacity of |cf|.
+    ``capacity_factor``: 0 dropless (default, exact), > 0 Tutel's fixed capacity with
+    drops, < 0 dropless capped at the capacity of -cf. ``a2a_ffn_overlap_degree``: Tutel's
+    overlap degree (on this CPU: C rounded up to a multiple of it, see the module docstring).
     """
 
-    impl = "harness"
-    exact = True     # with the default capacity_factor=0; cf != 0 drops pairs beyond capacity
+    impl = "library"
+    exact = True           # with the default capacity_factor=0
+    precision = "float32"  # Tutel's CPU encode / decode
 
     @dataclass
     class Config(SystemConfig):
-        # C = K * int(cf * ceil(T / E)) rows per (rank, expert); overflow pairs are dropped
-        # (first choices first, tokens in order). 0: dropless, C = the most any (rank,
-        # expert) needs (exact). < 0: dropless capped at the capacity of |cf|.
+        # 0: dropless, C = the most pairs any rank sends one expert (exact).
+        # > 0: C = K * int(cf * ceil(T / E)); overflow pairs dropped (first choices first,
+        # tokens in order). < 0: dropless capped at the capacity of -cf.
         capacity_factor: float = 0.0
+        # Tutel's a2a_ffn_overlap_degree: C is rounded up to a multiple of it; Tutel pipelines
+        # (chunks the exchange) only on CUDA, which this adapter refuses for degrees above 1
+        a2a_ffn_overlap_degree: int = 1
 
         def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
             super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
             if not math.isfinite(self.capacity_factor):
-                raise ValueError(f"system.capacity_factor={self.capacity_factor!r}: must be a finite number "
-                                 "(> 0 fixed capacity, 0 dropless, < 0 dropless capped at |cf|)")
+                raise ValueError(f"system.capacity_factor={self.capacity_factor!r}: allowed a finite number "
+                                 "(> 0 fixed capacity, 0 dropless, < 0 dropless capped at -cf's capacity)")
+            if not 1 <= self.a2a_ffn_overlap_degree <= MAX_OVERLAP_DEGREE:
+                raise ValueError(f"system.a2a_ffn_overlap_degree={self.a2a_ffn_overlap_degree!r}: allowed "
+                                 f"integers 1..{MAX_OVERLAP_DEGREE} (Tutel's limit)")
 
         def is_exact(self) -> bool:
             return self.capacity_factor == 0
 
-    def _capacity(self, num_tokens: int, top_k: int, need_E: torch.Tensor, layer: int,
-                  recorder: Optional[Recorder]) -> int:
-        """C, equal on every rank: exchanges (T, most pairs for one expert) with every rank."""
-        P = self.ep.world_size
-        mine_X = torch.tensor([num_tokens, int(need_E.max()) if need_E.numel() else 0], dtype=torch.long,
-                              device=need_E.device)
-        every_PX = exchange_counts(mine_X.expand(P, 2).contiguous(), self.ep, Exchange(layer, "counts", recorder))
-        max_tokens, max_need = every_PX.max(0).values.tolist()
-        return capacity_rows(self.config.capacity_factor, top_k, max_tokens, need_E.numel(), max_need)
+    def __init__(self, ep, placement, config):
+        super().__init__(ep, placement, config)
+        if not placement.is_contiguous():
+            raise ValueError("system=tutel: Tutel's [E, C, D] buffer sends expert i to rank i // e (the "
+                             f"contiguous placement); this layer's placement is {placement.groups()}. "
+                             "Use the default placement with system=tutel.")
+        self._tutel = load_tutel()
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
+        degree = self.config.a2a_ffn_overlap_degree
+        if x_TD.is_cuda and degree > 1:
+            raise NotImplementedError(
+                f"system.a2a_ffn_overlap_degree={degree} on CUDA tensors: Tutel's layer would take its "
+                "pipelined path (tutel.impls.overlap, NCCL streams), which this adapter does not drive; "
+                "allowed here: 1")
+        tutel, P, e = self._tutel, self.ep.world_size, self.placement.num_local
         T, K = topk_ids_TK.shape
-        P, e = self.placement.num_devices, self.placement.num_local
-        pos_KT, need_E = queue_positions(topk_ids_TK, self.placement.num_experts)
-        C = self._capacity(T, K, need_E, layer, recorder)
-        token_Q, k_Q, row_Q = kept_pairs(topk_ids_TK, pos_KT, C, self.placement)
-        # index the weights row-major (t*K + k): their gradient then reaches the router
-        # in the [T, K] layout the reference gives it, so the float32 router rounds alike
-        weight_Q = topk_weights_TK.reshape(-1)[token_Q * K + k_Q]
-        buf_RD = scatter_add_rows(P * e * C, row_Q, gather_rows(x_TD, token_Q))
-        splits_P = [e * C] * P
-        recv_RD = all_to_all_rows(buf_RD, splits_P, splits_P, self.ep, Exchange(layer, "dispatch", recorder))
-        kept = token_Q.numel()
-        handle = TutelHandle(token_Q, weight_Q, row_Q, C, T, T * K - kept, P * e * C - kept, layer, recorder)
+        D = x_TD.shape[1]
+        x_SD, ids_SK, w_SK = with_placeholder(x_TD, topk_ids_TK, topk_weights_TK)
+        trace = CallTrace(layer, recorder, self.ep)
+        with observed_all_reduces(tutel.fast_dispatch, trace):
+            crit = tutel_routing(tutel.fast_dispatch, ids_SK, w_SK, self.placement.num_experts,
+                                 self.config.capacity_factor, degree, self.ep.group)
+        C = crit[4]
+        if C == 0:      # the same C on every rank: they all stop here
+            cf = self.config.capacity_factor
+            raise ValueError(f"system.capacity_factor={cf!r}: Tutel's capacity K * int({abs(cf)} * ceil(T / E)) "
+                             f"is 0 at this call's T tokens per rank and E = {self.placement.num_experts}, "
+                             "and its all-to-all cannot move an empty buffer; allowed: 0 (dropless) or a "
+                             "factor with |cf| * ceil(T / E) >= 1")
+        kept = sum(int((loc_S[:T] < C).sum()) for loc_S in crit[2])
+        y_ECD = tutel.moe.fast_encode(x_SD.contiguous(), crit)
+        trace.rows_P, trace.row_bytes = [e * C] * P, D * y_ECD.element_size()
+        y_ECD = probe(y_ECD, lambda: trace.stop("dispatch", "backward"))
+        trace.start("dispatch", "forward")
+        recv_eXD = tutel.net.all_to_all(y_ECD, 1, 0, group=self.ep.group)
+        trace.stop("dispatch", "forward")
+        recv_eXD = probe(recv_eXD, lambda: trace.start("dispatch", "backward"))
+        handle = TutelHandle(crit, T, C, T * K - kept, self.placement.num_experts * C - kept, trace)
         counts_e = torch.full((e,), P * C, dtype=torch.long, device=x_TD.device)
-        return swap_blocks(recv_RD, P, e, C), counts_e, handle
+        return recv_eXD.reshape(e * P * C, D), counts_e, handle
 
     def combine(self, y_RD, handle: TutelHandle):
-        P, e, C = self.ep.world_size, self.placement.num_local, handle.capacity
-        splits_P = [e * C] * P
-        back_RD = all_to_all_rows(swap_blocks(y_RD, e, P, C), splits_P, splits_P, self.ep,
-                                  Exchange(handle.layer, "combine", handle.recorder))
-        return weighted_scatter_add(handle.num_tokens, handle.token_Q, gather_rows(back_RD, handle.row_Q),
-                                    handle.weight_Q)
+        tutel, tr = self._tutel, handle.trace
+        e, D = self.placement.num_local, y_RD.shape[1]
+        y_eXD = probe(y_RD.reshape(e, -1, D), lambda: tr.stop("combine", "backward"))
+        tr.start("combine", "forward")
+        back_ECD = tutel.net.all_to_all(y_eXD, 0, 1, group=self.ep.group)
+        tr.stop("combine", "forward")
+        back_ECD = probe(back_ECD, lambda: tr.start("combine", "backward"))
+        return tutel.moe.fast_decode(back_ECD.contiguous(), handle.crit)[:handle.num_tokens]
 
     def stats(self, handle: TutelHandle) -> dict:
         """This rank's load figures of one call: pairs dropped beyond capacity, padding rows sent."""

@@ -21,6 +21,22 @@ from .synthetic import expert_popularity, sample_topk
 
 # routing patterns a parity case can ask for
 CASE_ROUTINGS = ("router", "uniform", "one_device", "skip_last_device", "explicit")
+# The parity tolerance on a float64 problem, by the precision of a system's own arithmetic
+# (Dispatcher.precision), as (relative, absolute): a quantity passes when
+# max|system - reference| <= relative * max|reference| + absolute. Float64 systems: to
+# rounding, relative only. Float32 systems (a library that casts): float32's rounding,
+# with an absolute floor at the problem's unit scale for quantities that vanish in exact
+# arithmetic (the router gradient at K = 1 with renormalised weights, identically 1,
+# where both sides are float32 rounding noise and their ratio means nothing).
+TOLERANCE = {"float64": (1e-9, 0.0), "float32": (1e-5, 1e-5)}
+
+
+def disagreements(result: dict, system) -> dict:
+    """The quantities of a :func:`check_layer` result outside ``system``'s tolerance (its
+    precision's): name -> relative error. Empty when the system agrees with the reference."""
+    rel_tol, abs_tol = TOLERANCE[system_config(system).precision]
+    scales = result["scales"]
+    return {k: v for k, v in result["errors"].items() if not v <= rel_tol + abs_tol / scales[k]}
 
 
 @dataclass(frozen=True)
@@ -75,15 +91,21 @@ def make_problem(case: LayerCase, placement: Placement, device="cpu") -> Problem
     return Problem(move(router), {k: move(w) for k, w in experts.items()}, move(x), move(grad), move(ids))
 
 
+def _scale(b: torch.Tensor) -> float:
+    """max |b|, the denominator of a relative error (at least 1e-30)."""
+    return max(b.abs().max().item(), 1e-30) if b.numel() else 1e-30
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|."""
     if a.numel() == 0:
         return 0.0
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+    return (a - b).abs().max().item() / _scale(b)
 
 
 def check_layer(ctx, system, case: LayerCase, placement: Optional[Placement] = None) -> dict:
     """Runs one case on this rank for ``system`` (a system config or its dict); returns
-    relative errors and the recorder's events.
+    relative errors (and each quantity's scale, max |reference|) and the recorder's events.
 
     Must be called on every rank of ``ctx``'s world, with the same arguments.
     """
@@ -111,19 +133,21 @@ def check_layer(ctx, system, case: LayerCase, placement: Optional[Placement] = N
     if P > 1:
         dist.all_reduce(grad_router, group=ctx.ep.group)
     local = dispatcher.local_expert_ids
-    errors = {
-        "out": _rel_err(out.detach(), out_ref.detach()[lo:hi]),
-        "grad_x": _rel_err(x.grad, x_ref.grad[lo:hi]),
-        "grad_router": _rel_err(grad_router, ref.router.weight.grad),
-        "grad_w_gate": _rel_err(layer.experts.w_gate.grad, ref.w_gate.grad[local]),
-        "grad_w_up": _rel_err(layer.experts.w_up.grad, ref.w_up.grad[local]),
-        "grad_w_down": _rel_err(layer.experts.w_down.grad, ref.w_down.grad[local]),
+    pairs = {   # quantity -> (this system's, the reference's)
+        "out": (out.detach(), out_ref.detach()[lo:hi]),
+        "grad_x": (x.grad, x_ref.grad[lo:hi]),
+        "grad_router": (grad_router, ref.router.weight.grad),
+        "grad_w_gate": (layer.experts.w_gate.grad, ref.w_gate.grad[local]),
+        "grad_w_up": (layer.experts.w_up.grad, ref.w_up.grad[local]),
+        "grad_w_down": (layer.experts.w_down.grad, ref.w_down.grad[local]),
     }
+    errors = {k: _rel_err(a, b) for k, (a, b) in pairs.items()}
+    scales = {k: _scale(b) for k, (_, b) in pairs.items()}
     sent = {}
     for ev in rec.comm:
         sent[(ev.phase, ev.direction)] = sent.get((ev.phase, ev.direction), 0) + sum(ev.rows_P)
     routed_ids = rec.routing[0][1]
-    return {"errors": errors, "comm": rec.comm, "sent_rows": sent, "tokens": hi - lo,
+    return {"errors": errors, "scales": scales, "comm": rec.comm, "sent_rows": sent, "tokens": hi - lo,
             "distinct_devices": int(devices_per_token(routed_ids, placement).sum())}
 
 

@@ -529,3 +529,26 @@ def test_lossy_front_table_front_and_ratios(tmp_path):
     # standard (4000 B, 5.9), naive_int8 tuned (1600 B, 5.95), lsh untuned (1000 B, 6.1) beat the rest
     assert front.split("fewest bytes first): ")[1].startswith("lsh_4 (no ft), naive_int8, standard.")
     assert list(pareto([3, 1, 2, 1], [1, 3, 2, 2])) == [3, 0]       # (2, 2): as good a loss, more bytes
+
+
+def test_tutel_overlap_table_reads_degrees_padding_and_ratios(tmp_path):
+    from analysis.load import load_runs
+    from analysis.tutel_overlap import overlap_table
+
+    def tutel_run(degree, padding, a2a_ms):
+        df = layer_run("tutel", 4, 8, 3.6, a2a_ms, 20)
+        options = json.dumps({"a2a_ffn_overlap_degree": degree, "capacity_factor": 0.0}, sort_keys=True)
+        df = df.assign(system_options=options, impl="library", run_id=f"t/tutel/{degree}")
+        context = {k: df[k].iloc[0] for k in _context("tutel", "layer_small", "layer", 4, 16, 8, 32, 16)}
+        pad = make_frame([row("padding_rows", padding, "rows", layer=0, rank=r) for r in range(4)], context)
+        return pd.concat([df, pad], ignore_index=True)
+
+    write_results(layer_run("naive", 4, 8, 3.6, 2.0, 8), tmp_path / "naive")
+    for degree, padding, a2a_ms in ((1, 100, 3.0), (4, 150, 3.0)):
+        write_results(tutel_run(degree, padding, a2a_ms), tmp_path / f"tutel_{degree}")
+    table = overlap_table(load_runs([tmp_path])).set_index(["system", "degree"], drop=False)
+    assert list(table.system) == ["naive", "tutel", "tutel"]
+    tutel4 = table.loc[("tutel", 4)]
+    assert tutel4.padding_rows == 600 and tutel4.padding_rows_vs_degree_1 == pytest.approx(1.5)
+    assert tutel4.layer_fwd_bwd_ms_vs_naive == pytest.approx((8 * 3.0 + 8) / (8 * 2.0 + 8))
+    assert tutel4.dispatch_remote_MB_vs_naive == pytest.approx(20 / 8)

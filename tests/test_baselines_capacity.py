@@ -6,32 +6,15 @@ the load, padding = P*e*C - kept rows, and cf=0 exact. MegaBlocks: block
 padding of the received rows, exact. One world (P=2) runs every case.
 """
 import pytest
-import torch
 
 from occult.dist import launch
-from occult.ep import Placement, TopKRouter, reference_moe
-from occult.parity import LayerCase, make_problem
+from occult.parity import LayerCase
 
-from capacity_helpers import calls_and_grid
+from capacity_helpers import DROPPED, E, HAND, K, KEPT, P, calls_and_grid, expected, rel
 from systems import system
 
-TUTEL = "baselines.tutel.TutelDispatcher"
+TUTEL = "baselines.tutel_harness.TutelHarnessDispatcher"
 MEGA = "baselines.megablocks.MegaBlocksDispatcher"
-P, E, K = 2, 4, 2    # e = 2: experts 0, 1 on rank 0 and 2, 3 on rank 1
-RANK0 = ((0, 1), (0, 2), (1, 0), (0, 3), (2, 0), (3, 2), (1, 3), (2, 1))
-RANK1 = ((0, 1), (2, 0), (0, 3))
-HAND = LayerCase(E, K, (8, 3), routing="explicit", explicit_ids=sum(RANK0 + RANK1, ()), hidden=16)
-# cf = 0.5: C = K * int(0.5 * ceil(8 / 4)) = 2 slots per (rank, expert) (T = the larger
-# rank's 8 tokens). Tutel's priority: every first choice (k=0) in token order, then
-# every second choice. Queues on rank 0 (token, k):
-#   expert 0: (0,0) (1,0) (3,0) (2,1) (4,1)  -> drops (3,0) (2,1) (4,1)
-#   expert 1: (2,0) (6,0) (0,1) (7,1)        -> drops (0,1) (7,1)
-#   expert 2: (4,0) (7,0) (1,1) (5,1)        -> drops (1,1) (5,1)
-#   expert 3: (5,0) (3,1) (6,1)              -> drops (6,1)
-# rank 1, expert 0: (0,0) (2,0) (1,1)         -> drops (1,1) (token order would drop (2,0))
-DROPPED = {0: {(3, 0), (2, 1), (4, 1), (0, 1), (7, 1), (1, 1), (5, 1), (6, 1)}, 1: {(1, 1)}}
-KEPT = {0: 16 - 8, 1: 6 - 1}
-
 CALLS = {
     "cf0.5": (TUTEL, {"capacity_factor": 0.5}, HAND),
     "cf-0.5": (TUTEL, {"capacity_factor": -0.5}, HAND),   # capped dropless: min(5, 2) = 2, as cf=0.5
@@ -51,27 +34,6 @@ def world():
     per_rank = launch(calls_and_grid, P, (list(CALLS.values()), GRID), timeout_s=90)
     return {"calls": [{name: r["calls"][i] for i, name in enumerate(CALLS)} for r in per_rank],
             "grid": [r["grid"] for r in per_rank]}
-
-
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() if b.numel() else 0.0
-
-
-def expected(dropped: dict):
-    """The reference MoE on the whole HAND problem with the dropped pairs' gate weights zeroed:
-    output, input gradient and router gradient."""
-    prob = make_problem(HAND, Placement.contiguous(E, P))
-    router = TopKRouter(prob.router_ED.clone(), K, HAND.renormalize)
-    x_TD = prob.x_TD.clone().requires_grad_(True)
-    _, ids_TK, w_TK = router(x_TD, prob.ids_TK)
-    keep_TK = torch.ones_like(w_TK)
-    for rank, pairs in dropped.items():
-        lo = sum(HAND.tokens[:rank])
-        for t, k in pairs:
-            keep_TK[lo + t, k] = 0.0
-    out_TD = reference_moe(x_TD, ids_TK, w_TK * keep_TK, prob.experts)
-    (out_TD * prob.grad_TD).sum().backward()
-    return out_TD.detach(), x_TD.grad, router.weight.grad
 
 
 def check_against(world, name, dropped):

@@ -43,11 +43,14 @@ class Dispatcher(ABC):
     Class attributes a system sets: ``impl``: ``"harness"`` when this project implements
     the scheme, ``"library"`` when a third-party library runs it; ``exact``: whether it
     returns exactly top-k MoE with its default options (its config's ``is_exact`` says
-    for given options).
+    for given options); ``precision``: the floating-point type of its own arithmetic on a
+    float64 problem, ``"float64"`` when it computes in its inputs' dtype, ``"float32"``
+    for a library that casts (the parity check's tolerance is that precision's).
     """
 
     impl: ClassVar[str] = "harness"
     exact: ClassVar[bool] = True
+    precision: ClassVar[str] = "float64"
 
     def __init__(self, ep: EPGroup, placement: Placement, config) -> None:
         if placement.num_devices != ep.world_size:

@@ -65,6 +65,13 @@ class Placement:
         ids = torch.arange(num_experts, device="cpu")
         return Placement(ids // max(e, 1), ids % max(e, 1), num_devices)
 
+    def is_contiguous(self) -> bool:
+        """Whether this is :meth:`contiguous`: expert i on device i // e, slot i % e (the layout
+        libraries with a dense [E, C, D] buffer assume: block i goes to device i // e)."""
+        ids = torch.arange(self.num_experts, device=self.device_E.device)
+        return (torch.equal(self.device_E, ids // self.num_local)
+                and torch.equal(self.slot_E, ids % self.num_local))
+
     @staticmethod
     def from_groups(groups: list[list[int]]) -> "Placement":
         """Device p hosts ``groups[p]`` in that slot order."""

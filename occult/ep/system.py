@@ -76,6 +76,12 @@ class SystemConfig:
         only where it can says so here)."""
         return self.impl
 
+    @property
+    def precision(self) -> str:
+        """``float64`` or ``float32``: the floating-point type of the system's own arithmetic
+        (``Dispatcher.precision``), the key of its parity tolerance."""
+        return self.system_class().precision
+
     def options(self) -> dict:
         """Every option but ``name`` and ``_target_``."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

@@ -7,16 +7,15 @@ import torch
 import torch.distributed as dist
 
 from ..ep import Placement, Recorder, ct_all, ct_remote, intra_ratio, system_config
-from ..parity import LayerCase, check_layer
+from ..parity import TOLERANCE, LayerCase, check_layer, disagreements
 from ..records import row
-
-PARITY_TOL = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 2e-2}
 
 
 def parity_gate(ctx, system, num_experts: int, top_k: int, routing: str,
                 placement: Optional[Placement] = None) -> list:
     """Checks ``system`` (a system config or its dict) against the single-device reference
-    on a small float64 problem with the run's E, K, P and placement; raises if it disagrees.
+    on a small float64 problem with the run's E, K, P and placement, to the tolerance of
+    the system's precision (:func:`occult.parity.disagreements`); raises if it disagrees.
     A lossy system is checked with its loss switched off (``lossless_options``; row
     ``loss_off_parity``); one whose loss cannot be switched off is not checked.
 
@@ -34,10 +33,12 @@ def parity_gate(ctx, system, num_experts: int, top_k: int, routing: str,
         config = system_config({"name": config.name, "_target_": config._target_, **config.options(), **off})
         rows.append(row("loss_off_parity", 1.0, "bool", rank=ctx.rank))
     res = check_layer(ctx, config, case, placement)
-    bad = {k: v for k, v in res["errors"].items() if not v <= PARITY_TOL["float64"]}
+    bad = disagreements(res, config)
     if bad:
+        rel_tol, abs_tol = TOLERANCE[config.precision]
         raise AssertionError(f"system={config.name} disagrees with the single-device reference "
-                             f"(relative errors {bad}); nothing was timed")
+                             f"(relative errors {bad}; tolerance for {config.precision}: relative "
+                             f"{rel_tol:g}, absolute {abs_tol:g}); nothing was timed")
     return rows + [row("parity_checked", 1.0, "bool", rank=ctx.rank)] + \
         [row(f"parity_{k}", v, "ratio", rank=ctx.rank) for k, v in res["errors"].items()]
 
