@@ -15,8 +15,10 @@ an expert is dropped; the gate weight is the first-order proxy used here): the
 number of experts is decided per token from its own scores, with one threshold per
 model (not learned, not per layer).
 
-``base``: the system whose dispatcher runs the layer (one of :data:`BASES`, the systems
-that accept dropped pairs). Shapes: T tokens, K top-k, E experts.
+``base``: the system whose dispatcher runs the layer: a name of :data:`BASES` or the
+class path of any system whose config takes dropped pairs
+(``SystemConfig.accepts_dropped_pairs``), with ``base_options``. Shapes: T tokens, K
+top-k, E experts.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from occult.ep import Dispatcher, SystemConfig, import_object, system_config
+from occult.errors import ConfigError
 from occult.ep.router import NO_EXPERT
 
 BASES = {"naive": "baselines.naive.NaiveDispatcher", "occult": "occult.collab.dispatcher.OccultDispatcher",
@@ -67,21 +70,29 @@ class AdaptiveTopKDispatcher(Dispatcher):
 
     @dataclass
     class Config(SystemConfig):
-        base: str = "occult"        # the system that runs the layer: naive | occult | megablocks
+        base: str = "occult"        # the system that runs the layer: naive | occult | megablocks | a class path
         threshold: float = 0.1      # share of a token's top-k weight it may drop (0: keep all, exact)
         base_options: Dict[str, Any] = field(default_factory=dict)   # the base system's options
 
         def base_config(self) -> SystemConfig:
-            return system_config({"name": self.base, "_target_": BASES[self.base], **self.base_options})
+            target = BASES.get(self.base, self.base)
+            return system_config({"name": self.base.rsplit(".", 1)[-1], "_target_": target, **self.base_options})
 
         def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
-            if self.base not in BASES:
-                raise ValueError(f"system.base={self.base!r}: allowed values are {sorted(BASES)} (the systems that "
-                                 "take dropped pairs)")
+            allowed = f"allowed values are {sorted(BASES)} or the class path of a system that takes dropped pairs"
+            if self.base not in BASES and "." not in self.base:
+                raise ValueError(f"system.base={self.base!r}: {allowed}")
+            try:
+                base = self.base_config()
+            except ConfigError as exc:
+                raise ValueError(f"system.base={self.base!r}: {exc}") from exc
+            if not base.accepts_dropped_pairs:
+                raise ValueError(f"system.base={self.base!r} does not take dropped pairs "
+                                 f"(its config's accepts_dropped_pairs); {allowed}")
             if not 0.0 <= self.threshold < 1.0:
                 raise ValueError(f"system.threshold={self.threshold!r}: allowed values are 0 <= threshold < 1 "
                                  "(0 keeps every expert)")
-            self.base_config().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+            base.check(num_experts=num_experts, top_k=top_k, world_size=world_size)
 
         def is_exact(self) -> bool:
             return self.threshold == 0 and self.base_config().is_exact()

@@ -83,6 +83,7 @@ def test_lsh_and_adaptive_compute_what_they_state(world):
     ({"_target_": LSH, "bits": 17}, "system.bits"),
     ({"_target_": ADAPTIVE, "threshold": 1.0}, "system.threshold"),
     ({"_target_": ADAPTIVE, "base": "tutel"}, "system.base"),
+    ({"_target_": ADAPTIVE, "base": "baselines.tutel.TutelDispatcher"}, "does not take dropped pairs"),
     ({"_target_": ADAPTIVE, "base_options": {"payload": "int4"}}, "system.payload"),
 ])
 def test_lossy_options_are_checked(options, field):
@@ -104,3 +105,10 @@ def test_compressed_rows_keep_their_size_in_projections():
     assert np.allclose(wire_matrix(fp32, meta, rows, D_run, D_target, 2), rows / 4 * D_target * 2 + meta / 2)
     # rows that are not hidden-state rows keep their bytes
     assert wire_matrix(fp32 * 1000, meta, rows, D_run, D_target, 2) is None
+
+
+def test_adaptive_topk_takes_any_system_that_takes_dropped_pairs():
+    pruned = system(ADAPTIVE, base="occult.collab.variants.OccultScorePruningDispatcher", base_options={"budget": 1})
+    config = system_config(pruned)
+    config.check(num_experts=E, top_k=2, world_size=P)
+    assert config.base_config().budget == 1 and not config.is_exact()
