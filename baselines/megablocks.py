@@ -150,13 +150,17 @@ class MegaBlocksDispatcher(NaiveDispatcher):
             if self.library == "on" and world_size > 1:
                 raise ValueError(f"system.library=on runs the megablocks library at EP=1 only (cluster.world_size="
                                  f"{world_size}: its all-to-all would not be accounted); use library=auto or off")
+            if self.compressed() and self.library == "on":
+                raise ValueError("system.payload: the megablocks library sends no rows (EP=1); a compressed "
+                                 "payload needs the harness scheme (system.library=off)")
             if self.library != "off" and self.block_size and self.uses_library(world_size):
                 raise ValueError("system.block_size applies to the harness scheme; the megablocks library pads "
                                  "its own blocks (set system.library=off to pad)")
 
         def uses_library(self, world_size: int) -> bool:
-            """Whether a run of ``world_size`` ranks runs the megablocks library."""
-            if self.library == "off":
+            """Whether a run of ``world_size`` ranks runs the megablocks library (never with a
+            compressed payload: the library sends no rows to compress)."""
+            if self.library == "off" or self.compressed():
                 return False
             return library_available() and world_size == 1
 

@@ -55,8 +55,12 @@ class PayloadConfig(SystemConfig):
         """The payload of the ``dispatch`` or the ``combine`` rows."""
         return self.combine_payload or self.payload if phase == "combine" else self.payload
 
+    def compressed(self) -> bool:
+        """Whether either exchange's rows cross compressed."""
+        return self.payload != "fp32" or self.payload_of("combine") != "fp32"
+
     def is_exact(self) -> bool:
-        return self.payload == "fp32" and self.payload_of("combine") == "fp32" and super().is_exact()
+        return not self.compressed() and super().is_exact()
 
 
 def _bytes_of(t_RX: torch.Tensor) -> torch.Tensor:
