@@ -51,26 +51,14 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from occult.ep.links import Link, calibration_links, link_from_fields
+
 from .summary import slowest_rank_ms
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 PROJECTED = "projected"
 MEASURED = "measured"
-
-
-@dataclass(frozen=True)
-class Link:
-    """One world size's links and compute on a profile (seconds, bytes/s, FLOP/s)."""
-
-    intra_latency_s: float
-    intra_Bps: float
-    inter_latency_s: float = 0.0
-    inter_Bps: float = float("inf")
-    devices_per_node: int = 0          # 0: all ranks in one node
-    flops: float = float("inf")        # achieved matmul FLOP/s per device
-    expert_call_s: float = 0.0         # overhead per local expert per pass (measured on the CPU)
-    memory_Bps: float = float("inf")   # device memory bandwidth (inf: experts are compute-bound)
 
 
 @dataclass(frozen=True)
@@ -105,20 +93,6 @@ class Profile:
         return ELEMENT_BYTES[self.dtype]
 
 
-def _link_from_fields(c: dict) -> Link:
-    eff, ceff = float(c.get("link_efficiency", 1.0)), float(c.get("compute_efficiency", 1.0))
-    inter = float(c.get("inter_node_GBps", 0.0)) * int(c.get("nics_per_node", 0) or 0)
-    per_node = int(c.get("devices_per_node", 0) or 0)
-    inter_share = inter / per_node if per_node and inter else 0.0
-    return Link(intra_latency_s=float(c.get("intra_node_latency_us", 0.0)) * 1e-6,
-                intra_Bps=float(c["intra_node_GBps"]) * 1e9 * eff,
-                inter_latency_s=float(c.get("inter_node_latency_us", 0.0)) * 1e-6,
-                inter_Bps=inter_share * 1e9 * eff if inter_share else float("inf"),
-                devices_per_node=per_node,
-                flops=float(c.get("device_TFLOPs", 0.0)) * 1e12 * ceff or float("inf"),
-                memory_Bps=float(c.get("memory_GBps", 0.0)) * 1e9 or float("inf"))
-
-
 def profile_from_dict(c: dict) -> Profile:
     """A :class:`Profile` from a profile config's fields, checked against
     :class:`occult.config.ProfileConf` (errors name the field)."""
@@ -132,15 +106,11 @@ def profile_from_dict(c: dict) -> Profile:
         c = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(ProfileConf), c))
     except OmegaConfBaseException as exc:
         raise ValueError(f"profile={name}: {str(exc).splitlines()[0]} (fields: see occult.config.ProfileConf)") from exc
-    calibration = {}
-    for point in c.get("calibration") or []:
-        calibration[int(point["world_size"])] = Link(
-            intra_latency_s=float(point["latency_us"]) * 1e-6, intra_Bps=float(point["GBps"]) * 1e9,
-            flops=float(point["TFLOPs"]) * 1e12, expert_call_s=float(point.get("expert_call_us", 0.0)) * 1e-6)
+    calibration = calibration_links(c.get("calibration"))
     if not calibration and not c.get("intra_node_GBps"):
         raise ValueError(f"profile={name}: needs intra_node_GBps (GB/s) or a calibration list")
     return Profile(name=name, world_size=int(c.get("world_size", 0) or 0), dtype=c.get("dtype") or "float32",
-                   link=None if calibration else _link_from_fields(c), calibration=calibration,
+                   link=None if calibration else link_from_fields(c), calibration=calibration,
                    source=c.get("source", ""))
 
 

@@ -103,6 +103,10 @@ class ClusterConf:
     world_size: int = MISSING           # P
     backend: str = "gloo"               # gloo (CPU) | nccl (GPU, under torchrun)
     threads_per_rank: int = 0           # 0: cores // world_size
+    # ranks per node (0: every rank in one node): node n holds ranks [n G, (n + 1) G); systems
+    # that stage their exchange by node (system=hierarchical) read it, the analysis splits
+    # bytes into intra- and inter-node by it
+    devices_per_node: int = 0
     run_timeout_s: float = 3600.0       # whole run
     collective_timeout_s: float = 300.0
 

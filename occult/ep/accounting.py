@@ -32,6 +32,7 @@ class CommEvent:
     row_bytes: int        # bytes per row
     seconds: float        # the collective itself
     wait_seconds: float = 0.0   # barrier before it (only with Recorder.sync_collectives)
+    collective: str = "all_to_all"   # all_to_all | all_gather | reduce_scatter | broadcast | reduce
 
 
 @dataclass
@@ -52,9 +53,9 @@ class Recorder:
     counters: list = field(default_factory=list)  # (layer, name, value), from Dispatcher.stats
 
     def log_collective(self, *, layer: int, phase: str, direction: str, rows_P, row_bytes: int,
-                       seconds: float, wait_seconds: float = 0.0) -> None:
+                       seconds: float, wait_seconds: float = 0.0, collective: str = "all_to_all") -> None:
         self.comm.append(CommEvent(layer, phase, direction, self.rank, tuple(int(r) for r in rows_P),
-                                   int(row_bytes), float(seconds), float(wait_seconds)))
+                                   int(row_bytes), float(seconds), float(wait_seconds), collective))
 
     @contextmanager
     def span(self, layer: int, name: str, direction: str = "forward"):
