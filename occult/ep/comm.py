@@ -59,6 +59,12 @@ class EPGroup:
     device: str = "cpu"              # where this rank computes: "cpu" (gloo) or "cuda:<local rank>" (NCCL)
     devices_per_node: int = 0
 
+    def __post_init__(self) -> None:
+        G = self.devices_per_node
+        if G < 0 or (G and self.world_size % G):
+            raise ValueError(f"cluster.devices_per_node={G}: allowed values are 0 (one node) or a divisor of "
+                             f"the world size {self.world_size}")
+
     @property
     def per_node(self) -> int:
         """Ranks per node, G (the whole world when ``devices_per_node`` is 0)."""
