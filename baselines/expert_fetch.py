@@ -38,20 +38,8 @@ import torch
 
 from occult.ep import Dispatcher, Exchange, SystemConfig, all_to_all_rows, exchange_counts
 from occult.ep.accounting import span
-from occult.ep.experts import grouped_swiglu
+from occult.ep.experts import expert_rows, grouped_swiglu, weights_of_rows
 from occult.ep.permute import gather_rows, weighted_scatter_add
-
-
-def flat_weights(experts) -> torch.Tensor:
-    """The experts' weights, one row per expert: [e, 3 D F] (gate, up, down flattened)."""
-    return torch.cat([experts.w_gate.flatten(1), experts.w_up.flatten(1), experts.w_down.flatten(1)], dim=1)
-
-
-def unflatten_weights(rows_UW: torch.Tensor, hidden: int, ffn: int) -> tuple:
-    """[U, 3 D F] -> (w_gate [U, D, F], w_up [U, D, F], w_down [U, F, D])."""
-    U, n = rows_UW.shape[0], hidden * ffn
-    return (rows_UW[:, :n].view(U, hidden, ffn), rows_UW[:, n:2 * n].view(U, hidden, ffn),
-            rows_UW[:, 2 * n:].view(U, ffn, hidden))
 
 
 def pairs_by_expert(topk_ids_TK: torch.Tensor, row_of_E: torch.Tensor, num_rows: int
@@ -87,7 +75,7 @@ class ExpertFetchDispatcher(Dispatcher):
         # device-to-host sync: split sizes go to the collective as Python ints
         send_P, recv_P = asked_Pe.sum(1).tolist(), want_Pe.sum(1).tolist()
         _, slot_S = torch.nonzero(asked_Pe, as_tuple=True)          # by requester, then slot
-        rows_FW = all_to_all_rows(gather_rows(flat_weights(experts), slot_S), send_P, recv_P, ep,
+        rows_FW = all_to_all_rows(gather_rows(expert_rows(experts), slot_S), send_P, recv_P, ep,
                                   Exchange(layer, "fetch_weights", rec))
         return by_slot_Pe[want_Pe], rows_FW
 
@@ -100,9 +88,9 @@ class ExpertFetchDispatcher(Dispatcher):
             row_of_E = torch.full((pl.num_experts,), -1, dtype=torch.long, device=x_TD.device)
             row_of_E[ids_U] = torch.arange(ids_U.numel(), device=x_TD.device)
             order_Q, token_Q, counts_U = pairs_by_expert(topk_ids_TK, row_of_E, ids_U.numel())
-            table_UW = torch.cat([flat_weights(experts), rows_FW])
+            table_UW = torch.cat([expert_rows(experts), rows_FW])
             D, F = experts.w_gate.shape[1:]
-            y_QD = grouped_swiglu(gather_rows(x_TD, token_Q), counts_U, *unflatten_weights(table_UW, D, F))
+            y_QD = grouped_swiglu(gather_rows(x_TD, token_Q), counts_U, *weights_of_rows(table_UW, D, F))
         with span(rec, layer, "combine"):
             weight_Q = topk_weights_TK.flatten()[order_Q]
             return weighted_scatter_add(x_TD.shape[0], token_Q, y_QD, weight_Q)

@@ -57,6 +57,11 @@ class Recorder:
         self.comm.append(CommEvent(layer, phase, direction, self.rank, tuple(int(r) for r in rows_P),
                                    int(row_bytes), float(seconds), float(wait_seconds), collective))
 
+    def log_span(self, layer: int, name: str, direction: str, seconds: float) -> None:
+        """A timed span measured by the caller (e.g. a pipelined schedule's time not hidden by
+        compute: the time of its chunk loop minus the expert spans inside it)."""
+        self.spans.append((layer, name, direction, float(seconds)))
+
     @contextmanager
     def span(self, layer: int, name: str, direction: str = "forward"):
         """Times the enclosed block on this rank (:func:`occult.ep.measure.clock`)."""

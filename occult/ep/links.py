@@ -88,12 +88,12 @@ def link_at(name_or_path: str, world_size: int) -> Link:
 
 
 def pipeline_seconds(dispatch_s: float, experts_s: float, combine_s: float, degree: int) -> float:
-    """A layer cut into ``degree`` chunks whose dispatch, experts and combine each take the
-    given fraction of the whole (one chunk: the times / degree), when chunk i's experts
-    overlap the other chunks' collectives; both collectives share the link, so the steady
-    state is paced by the slower of (dispatch + combine) and experts (PipeMoE's model):
+    """A layer cut into ``degree`` chunks, each chunk's dispatch, experts and combine taking
+    the given seconds, when chunk i's experts overlap the other chunks' collectives. Both
+    collectives share the link, so the steady state is paced by the slower of dispatch +
+    combine and the experts (the pipeline model of PipeMoE):
 
-        T(r) = d + e + c + (r - 1) * max(d + c, e),   with d, e, c the per-chunk times.
+        T(r) = d + e + c + (r - 1) * max(d + c, e)
     """
-    d, e, c = dispatch_s / degree, experts_s / degree, combine_s / degree
+    d, e, c = dispatch_s, experts_s, combine_s
     return d + e + c + (degree - 1) * max(d + c, e)

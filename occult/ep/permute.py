@@ -4,23 +4,31 @@ Shapes: T tokens, K top-k, P ranks, e local experts, R rows.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .placement import Placement
 
 
-def sort_pairs_by_destination(topk_ids_TK: torch.Tensor, placement: Placement
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_pairs_by_destination(topk_ids_TK: torch.Tensor, placement: Placement,
+                              keep_TK: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Orders the (token, k) pairs by (destination device, local slot).
 
     Returns ``order_R`` (indices into the flattened [T*K] pairs; ``order_R // K``
     is the token) and ``send_Pe``, the number of pairs for each destination
-    device and local expert: shape [P, e].
+    device and local expert: shape [P, e]. ``keep_TK`` (bool), if given: only those
+    pairs are ordered and counted (the others are left out of ``order_R``).
     """
     P, e = placement.num_devices, placement.num_local
     key_R = (placement.device_E[topk_ids_TK] * e + placement.slot_E[topk_ids_TK]).flatten()
+    if keep_TK is not None:
+        keep_R = keep_TK.flatten()
+        key_R = torch.where(keep_R, key_R, torch.full_like(key_R, P * e))    # left-out pairs sort last
     order_R = torch.argsort(key_R, stable=True)
-    send_Pe = torch.bincount(key_R, minlength=P * e).view(P, e)
+    send_Pe = torch.bincount(key_R, minlength=P * e + 1)[:P * e].view(P, e)
+    if keep_TK is not None:
+        order_R = order_R[:int(send_Pe.sum())]
     return order_R, send_Pe
 
 

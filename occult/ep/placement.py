@@ -1,6 +1,6 @@
 """Expert placement: which device hosts each expert of a layer, and in which local slot.
 
-Shapes: E experts, P devices, e = E / P local experts per device, T tokens, K top-k.
+Shapes: E experts, P devices, e = E / P local experts per device.
 """
 from __future__ import annotations
 
@@ -75,18 +75,6 @@ class Placement:
         P = self.num_devices
         replicas_EP = replicated_E.bool().unsqueeze(1).expand(-1, P).clone()
         return Placement(self.device_E, self.slot_E, P, replicas_EP)
-
-    @property
-    def hosts_EP(self) -> torch.Tensor:
-        """hosts_EP[i, p]: device p holds expert i (its own device, or a replica): bool [E, P]."""
-        own_EP = torch.nn.functional.one_hot(self.device_E, self.num_devices).bool()
-        return own_EP if self.replicas_EP is None else own_EP | self.replicas_EP
-
-    def destination(self, topk_ids_TK: torch.Tensor, rank: int) -> torch.Tensor:
-        """Where rank ``rank``'s (token, expert) pairs are computed: the rank itself when it
-        holds the expert (its own or a replica), else the expert's device: [T, K] (long)."""
-        here_TK = self.hosts_EP[:, rank][topk_ids_TK]
-        return torch.where(here_TK, torch.full_like(topk_ids_TK, rank), self.device_E[topk_ids_TK])
 
     @staticmethod
     def contiguous(num_experts: int, num_devices: int) -> "Placement":

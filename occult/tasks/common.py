@@ -47,6 +47,14 @@ def timing_rows(rec: Recorder, sample: int) -> list:
     return rows
 
 
+# the unit of a dispatcher's counter, by a word in its name (default: pairs)
+COUNTER_UNITS = {"rows": "rows", "experts": "experts", "degree": "chunks"}
+
+
+def counter_unit(name: str) -> str:
+    return next((unit for word, unit in COUNTER_UNITS.items() if word in name.split("_")), "pairs")
+
+
 def comm_rows(rec: Recorder) -> list:
     """Rows and bytes this rank sent to each peer, per layer, phase and pass; the number of
     collectives of each kind per layer, phase and pass; and the dispatchers' counters
@@ -54,7 +62,7 @@ def comm_rows(rec: Recorder) -> list:
     counters: dict = {}
     for layer, name, value in rec.counters:
         counters[(layer, name)] = counters.get((layer, name), 0.0) + value
-    out = [row(name, value, "rows" if "rows" in name else "pairs", layer=layer, rank=rec.rank)
+    out = [row(name, value, counter_unit(name), layer=layer, rank=rec.rank)
            for (layer, name), value in sorted(counters.items())]
     calls: dict = {}
     for ev in rec.comm:
