@@ -156,6 +156,35 @@ def a2a_seconds(bytes_PP: np.ndarray, link: Link, calls: int = 1) -> float:
     return calls * latency + float(t_rank.max())
 
 
+def rooted_seconds(bytes_PP: np.ndarray, link: Link, calls: int = 1, kind: str = "broadcast") -> float:
+    """Projected time of ``calls`` broadcasts (or reduces, ``kind="reduce"``) whose summed
+    logical bytes are ``bytes_PP[src, dst]``: each root's payload crosses the slowest link
+    it needs once (a pipelined tree or ring moves a broadcast's bytes once per link, not
+    once per peer), one root after another, plus the latency of every call."""
+    bytes_PP = np.asarray(bytes_PP, dtype=float)
+    P = bytes_PP.shape[0]
+    if P <= 1:
+        return 0.0
+    remote = bytes_PP * ~np.eye(P, dtype=bool)
+    payload = remote.max(1) if kind == "broadcast" else remote.max(0)     # per root
+    multi_node = link.devices_per_node and link.devices_per_node < P
+    bandwidth = link.slowest_Bps if multi_node else link.intra_Bps
+    latency = link.inter_latency_s if multi_node and link.inter_latency_s else link.intra_latency_s
+    return calls * latency + float(payload.sum()) / bandwidth
+
+
+ROOTED = ("broadcast", "reduce")
+
+
+def collective_seconds(bytes_PP: np.ndarray, link: Link, calls: int, kind: str) -> float:
+    """A collective of any kind: rooted ones (broadcast, reduce) by :func:`rooted_seconds`,
+    the others (all-to-all, all-gather, reduce-scatter: every rank sends its blocks to its
+    peers) by :func:`a2a_seconds` on their per-peer bytes."""
+    if kind in ROOTED:
+        return rooted_seconds(bytes_PP, link, calls, kind)
+    return a2a_seconds(bytes_PP, link, calls)
+
+
 def swiglu_flops(rows: float, hidden: int, ffn: int, backward: bool = False) -> float:
     """FLOPs of SwiGLU experts on ``rows`` (token, expert) rows: 6 D F each forward, x2 backward."""
     return (12.0 if backward else 6.0) * rows * hidden * ffn
@@ -206,8 +235,15 @@ def real_model_of(run_model: str) -> str:
     return run_model[:-len("_proxy")] if run_model.endswith("_proxy") else run_model
 
 
+def _kinds(run: pd.DataFrame) -> dict:
+    """{(layer, phase, pass): collective kind} from the ``<kind>_calls`` rows (runs written
+    before those rows existed: every collective an all-to-all)."""
+    calls = run[run.metric.str.endswith("_calls") & (run.unit == "calls")]
+    return {key: g.metric.iloc[0][:-len("_calls")] for key, g in calls.groupby(["layer", "phase", "pass"])}
+
+
 def _collectives(run: pd.DataFrame) -> pd.DataFrame:
-    """Per (layer, phase, pass): the byte matrix, rows, calls per timed iteration."""
+    """Per (layer, phase, pass): the byte matrix, rows, calls per timed iteration, kind."""
     b = run[run.metric == "bytes"]
     r = run[run.metric == "rows"]
     P = int(run.world_size.iloc[0])
@@ -215,25 +251,66 @@ def _collectives(run: pd.DataFrame) -> pd.DataFrame:
     first = timed[timed["sample"] == timed["sample"].min()] if not timed.empty else timed
     calls = first[first["rank"] == first["rank"].min()].groupby(["layer", "phase", "pass"]).size() \
         if not first.empty else pd.Series(dtype=int)
+    kinds = _kinds(run)
     out = []
     for (layer, phase, direction), g in b.groupby(["layer", "phase", "pass"]):
         mat = np.zeros((P, P))
         np.add.at(mat, (g.src_rank.to_numpy(int), g.dst_rank.to_numpy(int)), g.value.to_numpy(float))
         rows = r[(r.layer == layer) & (r.phase == phase) & (r["pass"] == direction)].value.sum()
         out.append({"layer": layer, "phase": phase, "direction": direction, "bytes_PP": mat, "rows": rows,
-                    "calls": int(calls.get((layer, phase, direction), 1))})
-    return pd.DataFrame(out)
+                    "calls": int(calls.get((layer, phase, direction), 1)),
+                    "kind": kinds.get((layer, phase, direction), "all_to_all")})
+    return pd.DataFrame(out, columns=["layer", "phase", "direction", "bytes_PP", "rows", "calls", "kind"])
 
 
-def _row_bytes_of_hidden(run: pd.DataFrame, coll: pd.DataFrame) -> Optional[float]:
-    """Bytes of one hidden-state row in this run (from its dispatch phase), or None."""
-    D = int(run.hidden_size.iloc[0])
-    disp = coll[coll.phase == "dispatch"]
-    total_rows = disp.rows.sum()
-    if total_rows == 0:
-        return None
-    per_row = sum(m.sum() for m in disp.bytes_PP) / total_rows
-    return per_row if per_row % D == 0 else None
+def _element_bytes(run: pd.DataFrame, coll: pd.DataFrame) -> Optional[int]:
+    """The element size of the run's activations and weights, from what it moved: its token
+    rows (phases ``dispatch*`` whose rows are D elements) or, for a system that moves only
+    weights, its weight rows (3 D F elements); None when neither is there."""
+    D, F = int(run.hidden_size.iloc[0]), int(run.expert_ffn_size.iloc[0])
+    for width, phases in ((D, coll[coll.phase.str.startswith("dispatch")]), (3 * D * F, coll)):
+        for c in phases.itertuples():
+            if c.rows:
+                per_row = c.bytes_PP.sum() / c.rows
+                if per_row / width in ELEMENT_BYTES.values():
+                    return int(per_row / width)
+    return None
+
+
+def _resized(mat: np.ndarray, rows: float, run: pd.DataFrame, element: Optional[int], profile: "Profile",
+             target: Optional["Target"]) -> np.ndarray:
+    """A collective's bytes at the target model's width and the profile's element size: token
+    rows (D elements) and weight rows (one expert, 3 D F) re-sized, metadata rows as they are."""
+    if target is None or not element or not rows:
+        return mat
+    D, F = int(run.hidden_size.iloc[0]), int(run.expert_ffn_size.iloc[0])
+    per_row = mat.sum() / rows
+    for width, new_width in ((D, target.hidden_size), (3 * D * F, 3 * target.hidden_size * target.expert_ffn_size)):
+        if np.isclose(per_row, width * element):
+            return mat / (width * element) * new_width * profile.element_bytes
+    return mat
+
+
+def pipeline_degree(run: pd.DataFrame, layer: int) -> int:
+    """The chunks a pipelined system cut layer ``layer`` into (its ``pipeline_degree``
+    counter; 1 for every other system)."""
+    c = run[(run.metric == "pipeline_degree") & (run.layer == layer) & (run["rank"] >= 0)]
+    return int(c.value.max()) if not c.empty else 1
+
+
+def _overlap_rows(layer: int, degree: int, a2a: list, expert_ms: dict, chunk_expert_ms: dict) -> list:
+    """For a layer cut into ``degree`` chunks: per pass, the time its pipeline hides (a
+    negative ``overlap`` component: the pipelined time of the chunked collectives and the
+    experts minus their serial sum; see :func:`occult.ep.links.pipeline_seconds`)."""
+    from occult.ep.links import pipeline_seconds
+
+    out = []
+    for direction, experts in expert_ms.items():
+        chunked = {phase: ms for phase, d, calls, ms in a2a if d == direction and calls == degree}
+        d, c = chunked.get("dispatch", 0.0), chunked.get("combine", 0.0)
+        piped = pipeline_seconds(d / degree, chunk_expert_ms[direction], c / degree, degree)
+        out.append({"layer": layer, "component": "overlap", "pass": direction, "ms": piped - (d + c + experts)})
+    return out
 
 
 def _expert_rows(run: pd.DataFrame, layer: int) -> np.ndarray:
@@ -257,35 +334,39 @@ def _expert_rows(run: pd.DataFrame, layer: int) -> np.ndarray:
 def project_run(run: pd.DataFrame, profile: Profile, target: Optional[Target] = None) -> pd.DataFrame:
     """Projected per-layer times of one run's timed iteration on ``profile``.
 
-    Rows: ``layer, component`` (``a2a:<phase>``, ``experts``), ``pass``, ``ms``; plus
-    ``source = projected``, the profile and target names. Layer -1 rows are totals over
-    the target's MoE layers (``component = moe``: all-to-alls + experts).
+    Rows: ``layer, component`` (``a2a:<phase>``: every collective, priced by its kind;
+    ``experts``; ``overlap``: for a pipelined layer, the (negative) time its chunks hide),
+    ``pass``, ``ms``; plus ``source = projected``, the profile and target names. Layer -1
+    rows are totals over the target's MoE layers (``component = moe``: the sum of the others).
     """
     P = int(run.world_size.iloc[0])
     link = profile.at(P)
     D_run, F_run = int(run.hidden_size.iloc[0]), int(run.expert_ffn_size.iloc[0])
     D, F = (target.hidden_size, target.expert_ffn_size) if target else (D_run, F_run)
     coll = _collectives(run)
-    hidden_row = _row_bytes_of_hidden(run, coll)
-    out = []
+    element = _element_bytes(run, coll)
+    out, a2a = [], {}
     for c in coll.itertuples():
-        mat = c.bytes_PP
-        if target is not None and hidden_row and c.rows and np.isclose(mat.sum() / c.rows, hidden_row):
-            mat = mat / hidden_row * D * profile.element_bytes
-        out.append({"layer": c.layer, "component": f"a2a:{c.phase}", "pass": c.direction,
-                    "ms": a2a_seconds(mat, link, c.calls) * 1e3})
+        mat = _resized(c.bytes_PP, c.rows, run, element, profile, target)
+        ms = collective_seconds(mat, link, c.calls, c.kind) * 1e3
+        a2a.setdefault(c.layer, []).append((c.phase, c.direction, c.calls, ms))
+        out.append({"layer": c.layer, "component": f"a2a:{c.phase}", "pass": c.direction, "ms": ms})
     backward = bool((run["pass"] == "backward").any())
     layers = sorted(coll.layer.unique()) if not coll.empty else [0]
     for layer in layers:
         rows_P = _expert_rows(run, layer)
         e = int(run.num_experts.iloc[0]) // P
-        out.append({"layer": layer, "component": "experts", "pass": "forward",
-                    "ms": expert_seconds(rows_P, D, F, link, local_experts=e,
-                                         element_bytes=profile.element_bytes) * 1e3})
-        if backward:
-            out.append({"layer": layer, "component": "experts", "pass": "backward",
-                        "ms": expert_seconds(rows_P, D, F, link, backward=True, local_experts=e,
-                                             element_bytes=profile.element_bytes) * 1e3})
+        degree = pipeline_degree(run, layer)
+        expert_ms, chunk_ms = {}, {}
+        for direction in ("forward", "backward") if backward else ("forward",):
+            bwd = direction == "backward"
+            expert_ms[direction] = expert_seconds(rows_P, D, F, link, backward=bwd, local_experts=e,
+                                                  element_bytes=profile.element_bytes) * 1e3
+            chunk_ms[direction] = expert_seconds(rows_P / degree, D, F, link, backward=bwd, local_experts=e,
+                                                 element_bytes=profile.element_bytes) * 1e3
+            out.append({"layer": layer, "component": "experts", "pass": direction, "ms": expert_ms[direction]})
+        if degree > 1:
+            out += _overlap_rows(layer, degree, a2a.get(layer, []), expert_ms, chunk_ms)
     per_layer = pd.DataFrame(out)
     n_layers = target.moe_layers if target and target.moe_layers else len(layers)
     mean_layer = per_layer.groupby("layer").ms.sum().mean() if not per_layer.empty else 0.0
@@ -298,8 +379,19 @@ def project_run(run: pd.DataFrame, profile: Profile, target: Optional[Target] = 
     return per_layer
 
 
+def same_nodes(run: pd.DataFrame, link: Link) -> bool:
+    """Whether a run may be projected onto a profile's node layout: runs that declared no
+    layout (``devices_per_node`` 0) project onto any; a run whose ranks were grouped into
+    nodes (a system may have staged its exchange by them) only onto the same grouping."""
+    P = int(run.world_size.iloc[0])
+    declared = int(run.devices_per_node.iloc[0]) if "devices_per_node" in run else 0
+    one_node = lambda g: g if 0 < g < P else P
+    return declared == 0 or one_node(declared) == one_node(link.devices_per_node)
+
+
 def project_runs(df: pd.DataFrame, profile: Profile, target=None) -> pd.DataFrame:
-    """:func:`project_run` over every run in ``df`` whose world size the profile covers.
+    """:func:`project_run` over every run in ``df`` whose world size (and, when the run
+    declared one, node layout: :func:`same_nodes`) the profile covers.
 
     ``target``: None (each run's own model), a :class:`Target`, or ``"real"`` (the
     paper model each proxy stands for). Adds the run's context columns.
@@ -309,7 +401,7 @@ def project_runs(df: pd.DataFrame, profile: Profile, target=None) -> pd.DataFram
     for run_dir, run in df.groupby("run_dir"):
         P = int(run.world_size.iloc[0])
         covered = P in profile.calibration if profile.calibration else P == profile.world_size
-        if not covered or not (run.metric == "bytes").any():
+        if not covered or not (run.metric == "bytes").any() or not same_nodes(run, profile.at(P)):
             continue
         tgt = target_model(real_model_of(str(run.model.iloc[0]))) if target == "real" else target
         proj = project_run(run, profile, tgt)

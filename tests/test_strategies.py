@@ -231,3 +231,72 @@ def test_shadowed_and_fetched_experts_train_like_the_single_device_model(tmp_pat
     for i in range(0, len(jobs), len(systems)):                      # the shadow jobs: it did shadow, both ways
         for direction in ("forward", "backward"):
             assert sum(r[i]["sent_rows"].get(("shadow_weights", direction), 0) for r in per_rank) > 0, direction
+
+
+# ---------------------------------------------------------------------------
+# the cost model's view of these collectives
+# ---------------------------------------------------------------------------
+
+
+def _run_frame(rows: list, P: int = 2, devices_per_node: int = 0):
+    """A run's result rows as the cost model reads them (only the columns it uses)."""
+    import pandas as pd
+    base = {"layer": 0, "rank": 0, "phase": "", "pass": "", "sample": -1, "src_rank": -1, "dst_rank": -1,
+            "unit": ""}
+    df = pd.DataFrame([{**base, **r} for r in rows])
+    ctx = {"world_size": P, "devices_per_node": devices_per_node, "hidden_size": 10, "expert_ffn_size": 10,
+           "top_k": 1, "num_experts": 2, "tokens_per_rank": 100, "model": "toy", "run_dir": "x"}
+    return df.assign(**ctx)
+
+
+def _collective(phase, direction, src, dst, nbytes, calls, kind="all_to_all"):
+    """The rows of ``calls`` collectives of one phase that moved ``nbytes`` from src to dst."""
+    rows = [{"metric": "bytes", "value": nbytes, "unit": "bytes", "phase": phase, "pass": direction,
+             "src_rank": src, "dst_rank": dst},
+            {"metric": "rows", "value": nbytes / 80, "unit": "rows", "phase": phase, "pass": direction,
+             "src_rank": src, "dst_rank": dst},
+            {"metric": f"{kind}_calls", "value": calls, "unit": "calls", "phase": phase, "pass": direction}]
+    rows += [{"metric": "a2a_time", "value": 1.0, "unit": "ms", "phase": phase, "pass": direction, "sample": 0}
+             for _ in range(calls)]
+    return rows
+
+
+def test_broadcasts_are_priced_once_per_link_not_once_per_peer():
+    import analysis.costmodel as cm
+    link = Link(intra_latency_s=1e-5, intra_Bps=1e9)
+    bytes_PP = torch.zeros(4, 4).numpy()
+    bytes_PP[1, :] = 1e6                                  # rank 1's 1 MB to every rank
+    assert cm.rooted_seconds(bytes_PP, link, 1, "broadcast") == pytest.approx(1e-5 + 1e-3)
+    assert cm.a2a_seconds(bytes_PP, link, 1) == pytest.approx(1e-5 + 3e-3)     # what a per-peer model would say
+    assert cm.rooted_seconds(bytes_PP.T, link, 1, "reduce") == pytest.approx(1e-5 + 1e-3)
+
+
+def test_a_pipelined_layer_is_projected_with_its_overlap():
+    import analysis.costmodel as cm
+    rows = (_collective("dispatch", "forward", 0, 1, 1e6, 2) + _collective("combine", "forward", 1, 0, 1e6, 2)
+            + [{"metric": "tokens", "value": 100, "unit": "tokens", "rank": r} for r in (0, 1)]
+            + [{"metric": "pipeline_degree", "value": 2, "unit": "chunks", "rank": r} for r in (0, 1)])
+    profile = cm.Profile("toy", 2, "float32", link=Link(intra_latency_s=0.0, intra_Bps=1e9, flops=3e7))
+    proj = cm.project_run(_run_frame(rows), profile).set_index("component")
+    # 1 ms per exchange, 2 ms of experts; 2 chunks: 0.5 + 1 + 0.5 + max(0.5 + 0.5, 1) = 3 ms, not 4
+    assert proj.loc["a2a:dispatch", "ms"] == pytest.approx(1.0) and proj.loc["experts", "ms"] == pytest.approx(2.0)
+    assert proj.loc["overlap", "ms"] == pytest.approx(-1.0) and proj.loc["moe", "ms"] == pytest.approx(3.0)
+
+
+def test_weight_rows_are_resized_to_the_target_model():
+    import analysis.costmodel as cm
+    weight_row = 3 * 10 * 10 * 4                          # one expert of the run (D = F = 10, float32)
+    rows = _collective("fetch_weights", "forward", 0, 1, 5 * weight_row, 1)
+    rows[1]["value"] = 5                                    # five experts
+    profile = cm.Profile("toy", 2, "bfloat16", link=Link(intra_latency_s=0.0, intra_Bps=1e9))
+    proj = cm.project_run(_run_frame(rows), profile, cm.Target("big", 100, 200, 1)).set_index("component")
+    assert proj.loc["a2a:fetch_weights", "ms"] == pytest.approx(5 * 3 * 100 * 200 * 2 / 1e9 * 1e3)
+
+
+def test_runs_grouped_into_nodes_project_only_onto_the_same_layout():
+    import analysis.costmodel as cm
+    two_nodes, one_node = Link(1e-5, 1e9, devices_per_node=8), Link(1e-5, 1e9, devices_per_node=16)
+    run = _run_frame([{"metric": "x", "value": 0}], P=16, devices_per_node=8)
+    assert cm.same_nodes(run, two_nodes) and not cm.same_nodes(run, one_node)
+    undeclared = _run_frame([{"metric": "x", "value": 0}], P=16, devices_per_node=0)
+    assert cm.same_nodes(undeclared, two_nodes) and cm.same_nodes(undeclared, one_node)
