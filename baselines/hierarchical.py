@@ -29,7 +29,7 @@ G x G, each carrying everything one rank sends to that node:
 Beside each row travels its metadata (``*_meta``: the gate weights and top-k ids of the
 row's experts in the destination, others masked, float64 [R, 2K]: exact for the ids,
 differentiable for the weights), and each stage is preceded by its counts exchange
-(``counts_inter``, ``counts_intra``). A stage that cannot move anything is not run: with
+(``counts_inter`` with the rail peers, ``counts_intra`` within the node). A stage that cannot move anything is not run: with
 one node there is no inter-node stage, with one rank per node no intra-node one.
 
 Inter-node bytes and messages are what this scheme trades for: fewer, larger messages
@@ -129,13 +129,20 @@ class HierarchicalDispatcher(SplitDispatcher):
             device_UK = device_UK // ep.per_node * ep.per_node + ep.rank % ep.per_node
         return torch.where(ids_UK >= 0, device_UK, torch.full_like(device_UK, -1))
 
+    def _peers(self, stage: str) -> list:
+        """The ranks this rank talks to at ``stage``: its rail peers (``inter``) or its node."""
+        ep, G = self.ep, self.ep.per_node
+        same = (lambda j: j % G == ep.rank % G) if stage == "inter" else (lambda j: j // G == ep.rank // G)
+        return [same(j) for j in range(ep.world_size)]
+
     def _stage(self, units: Units, stage: str, layer: int, rec) -> tuple[Units, Leg]:
         """Sends ``units`` one stage on (``inter`` or ``intra``); returns the received units."""
         K = units.ids_UK.shape[1]
         per_pair = self.config.dedup == "none" or (stage == "intra" and self.config.dedup == "node")
         unit_S, keep_SK, send_P = split_units(units.ids_UK, self._destinations(units.ids_UK, stage), per_pair,
                                               self.ep.world_size)
-        recv_P = exchange_counts(send_P.view(-1, 1), self.ep, Exchange(layer, f"counts_{stage}", rec))
+        recv_P = exchange_counts(send_P.view(-1, 1), self.ep, Exchange(layer, f"counts_{stage}", rec),
+                                 self._peers(stage))
         # device-to-host sync: split sizes go to the collectives as Python ints
         send, recv = send_P.tolist(), recv_P.flatten().tolist()
         ids_SK = torch.where(keep_SK, units.ids_UK[unit_S], torch.full_like(keep_SK, -1, dtype=torch.long))

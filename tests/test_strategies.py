@@ -116,8 +116,11 @@ def test_hierarchical_sends_a_token_once_per_remote_node(world4):
                 assert inter.rows_P[2 * m + 1 - g] == 0           # across nodes only to the rail peer
                 if dedup != "none":
                     assert expected <= ids.shape[0]                 # at most once per node
-            (intra,) = events(res, "dispatch_intra")
+            (counts_inter,), (counts_intra,) = events(res, "counts_inter"), events(res, "counts_intra")
             node = rank // 2
+            assert [j for j, n in enumerate(counts_inter.rows_P) if n] == [g, 2 + g]        # the rails only
+            assert [j for j, n in enumerate(counts_intra.rows_P) if n] == [2 * node, 2 * node + 1]
+            (intra,) = events(res, "dispatch_intra")
             assert all(n == 0 for j, n in enumerate(intra.rows_P) if j // 2 != node)   # inside the node only
             intra_total += sum(intra.rows_P)
             pairs += ids.numel()

@@ -147,14 +147,24 @@ def all_to_all_rows(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup,
     return _exchange(x_RD, send_P, recv_P, ep, where, "forward")
 
 
-def exchange_counts(counts_PX: torch.Tensor, ep: EPGroup, where: Exchange) -> torch.Tensor:
+def exchange_counts(counts_PX: torch.Tensor, ep: EPGroup, where: Exchange,
+                    peers_P: Optional[list] = None) -> torch.Tensor:
     """Send row j of ``counts_PX`` (int64, [P, X]) to rank j; returns what each rank sent us.
 
     This is the metadata exchange that precedes variable-split all-to-alls
     (a device-to-host sync follows when the caller turns counts into splits).
+    ``peers_P`` (bools, the same pattern on both sides of every pair): exchange with those
+    ranks only (a staged exchange talks to some peers); the rows of the others are zeros.
     """
     P = ep.world_size
-    return _exchange(counts_PX, [1] * P, [1] * P, ep, where, "forward")
+    if peers_P is None:
+        return _exchange(counts_PX, [1] * P, [1] * P, ep, where, "forward")
+    splits = [int(bool(p)) for p in peers_P]
+    mask_P = torch.tensor(splits, dtype=torch.bool, device=counts_PX.device)
+    got_QX = _exchange(counts_PX[mask_P], splits, splits, ep, where, "forward")
+    out_PX = torch.zeros_like(counts_PX)
+    out_PX[mask_P] = got_QX
+    return out_PX
 
 
 # ---------------------------------------------------------------------------
