@@ -303,3 +303,42 @@ def test_runs_grouped_into_nodes_project_only_onto_the_same_layout():
     assert cm.same_nodes(run, two_nodes) and not cm.same_nodes(run, one_node)
     undeclared = _run_frame([{"metric": "x", "value": 0}], P=16, devices_per_node=0)
     assert cm.same_nodes(undeclared, two_nodes) and cm.same_nodes(undeclared, one_node)
+
+
+# ---------------------------------------------------------------------------
+# the report and its experiment
+# ---------------------------------------------------------------------------
+
+
+def test_node_traffic_and_exposed_communication_by_hand():
+    from analysis.strategies import exposed_ms, node_traffic
+    sent = [(0, 1, 100.0), (0, 2, 50.0), (1, 3, 0.0), (2, 2, 999.0)]     # in-node, across, empty, to itself
+    rows = [{"metric": "bytes", "value": v, "unit": "bytes", "phase": "dispatch", "pass": "forward",
+             "src_rank": s, "dst_rank": d} for s, d, v in sent]
+    spans = {(0, 0): {"dispatch": 2, "experts": 5, "combine": 1}, (0, 1): {"dispatch": 1, "experts": 9, "combine": 4},
+             (1, 0): {"dispatch": 1, "experts": 5, "combine": 1}, (1, 1): {"dispatch": 0.5, "experts": 5, "combine": 0.5}}
+    rows += [{"metric": "time", "value": v, "unit": "ms", "phase": phase, "pass": "forward", "sample": sample,
+              "rank": rank} for (sample, rank), d in spans.items() for phase, v in d.items()]
+    run = _run_frame(rows, P=4, devices_per_node=2)
+    t = node_traffic(run)
+    assert (t["intra_MB"], t["inter_MB"]) == pytest.approx((100e-6, 50e-6))
+    assert t["inter_messages"] == pytest.approx(1 / 4)                 # one pair crossed nodes, 4 ranks, 1 layer
+    # exposed = dispatch + combine; slowest rank per sample: 5 then 2; median 3.5
+    assert exposed_ms(run) == pytest.approx(3.5)
+    whole = _run_frame([{"metric": "time", "value": v, "unit": "ms", "phase": p, "pass": "forward", "sample": 0}
+                        for p, v in (("moe", 10.0), ("experts", 4.0))])
+    assert exposed_ms(whole) == pytest.approx(6.0)                     # a layer timed as one span, minus its experts
+
+
+def test_the_strategies_experiment_runs_every_exact_system():
+    from hydra import compose, initialize_config_dir
+    from occult.config import CONF_DIR, register
+    from systems import exact_systems
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=strategies"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    measured = set(params["m/system"].split(",")) | {params["placed/system"]}
+    assert measured == set(exact_systems()), set(exact_systems()) ^ measured
+    assert str(params["b16/cluster.world_size"]) == "16" and str(params["b16/cluster.devices_per_node"]) == "8"
+    assert params["r8/system.profile"] == "sim_h100x8" and params["r16/system.profile"] == "sim_h100x2node"
