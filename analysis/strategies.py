@@ -193,7 +193,28 @@ def strategies(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     if missing:
         text.append("Not projected (no runs at that world size in this sweep): " + ", ".join(missing) + ".")
     sections = [Section(title, text, [("strategies", table)], figs)]
-    return sections + pipelining(df, out_dir)
+    return sections + two_nodes(df) + pipelining(df, out_dir)
+
+
+def two_nodes(df: pd.DataFrame) -> list[Section]:
+    """Every arm at P = 16 as 2 nodes of 8: bytes within and across nodes, messages across
+    nodes, collectives, and the projected MoE time on 2 x 8 H100 over naive's."""
+    runs = run_summary(df)
+    runs = runs[(runs.world_size == 16) & (runs.devices_per_node == 8)]
+    if runs.empty:
+        return []
+    proj = projections(df[df.run_dir.isin(runs.run_dir)])
+    table = runs[["model", "task", "arm", "intra_MB", "inter_MB", "inter_messages", "collectives_per_layer"]].copy()
+    base = runs[runs.arm == "naive"].set_index(["model", "task"]).inter_MB
+    table["inter_MB_vs_naive"] = [row.inter_MB / base.get((row.model, row.task), np.nan) for row in runs.itertuples()]
+    if not proj.empty:
+        table["projected_vs_naive 2 x 8 H100"] = runs.run_dir.map(dict(zip(proj.run_dir, proj.ratio))).to_numpy()
+    text = ["P = 16 ranks as 2 nodes of 8 (cluster.devices_per_node=8), one iteration, forward pass: MB per "
+            "iteration (all ranks) to ranks of the same node and of the other node, the (source, destination) "
+            "pairs per rank and MoE layer that carried rows across nodes, collectives per layer, and the "
+            "projected MoE time on 2 x 8 H100 over naive EP's. Hierarchical's arms are its dedup modes."]
+    return [Section("Two nodes of eight: intra- and inter-node traffic", text,
+                    [("two_nodes", table.sort_values(["model", "task", "inter_MB"]))], [])]
 
 
 def pipelining(df: pd.DataFrame, out_dir: Path) -> list[Section]:
