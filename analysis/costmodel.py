@@ -51,26 +51,14 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from occult.ep.links import Link, calibration_links, link_from_fields
+
 from .summary import slowest_rank_ms
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 PROJECTED = "projected"
 MEASURED = "measured"
-
-
-@dataclass(frozen=True)
-class Link:
-    """One world size's links and compute on a profile (seconds, bytes/s, FLOP/s)."""
-
-    intra_latency_s: float
-    intra_Bps: float
-    inter_latency_s: float = 0.0
-    inter_Bps: float = float("inf")
-    devices_per_node: int = 0          # 0: all ranks in one node
-    flops: float = float("inf")        # achieved matmul FLOP/s per device
-    expert_call_s: float = 0.0         # overhead per local expert per pass (measured on the CPU)
-    memory_Bps: float = float("inf")   # device memory bandwidth (inf: experts are compute-bound)
 
 
 @dataclass(frozen=True)
@@ -105,20 +93,6 @@ class Profile:
         return ELEMENT_BYTES[self.dtype]
 
 
-def _link_from_fields(c: dict) -> Link:
-    eff, ceff = float(c.get("link_efficiency", 1.0)), float(c.get("compute_efficiency", 1.0))
-    inter = float(c.get("inter_node_GBps", 0.0)) * int(c.get("nics_per_node", 0) or 0)
-    per_node = int(c.get("devices_per_node", 0) or 0)
-    inter_share = inter / per_node if per_node and inter else 0.0
-    return Link(intra_latency_s=float(c.get("intra_node_latency_us", 0.0)) * 1e-6,
-                intra_Bps=float(c["intra_node_GBps"]) * 1e9 * eff,
-                inter_latency_s=float(c.get("inter_node_latency_us", 0.0)) * 1e-6,
-                inter_Bps=inter_share * 1e9 * eff if inter_share else float("inf"),
-                devices_per_node=per_node,
-                flops=float(c.get("device_TFLOPs", 0.0)) * 1e12 * ceff or float("inf"),
-                memory_Bps=float(c.get("memory_GBps", 0.0)) * 1e9 or float("inf"))
-
-
 def profile_from_dict(c: dict) -> Profile:
     """A :class:`Profile` from a profile config's fields, checked against
     :class:`occult.config.ProfileConf` (errors name the field)."""
@@ -132,15 +106,11 @@ def profile_from_dict(c: dict) -> Profile:
         c = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(ProfileConf), c))
     except OmegaConfBaseException as exc:
         raise ValueError(f"profile={name}: {str(exc).splitlines()[0]} (fields: see occult.config.ProfileConf)") from exc
-    calibration = {}
-    for point in c.get("calibration") or []:
-        calibration[int(point["world_size"])] = Link(
-            intra_latency_s=float(point["latency_us"]) * 1e-6, intra_Bps=float(point["GBps"]) * 1e9,
-            flops=float(point["TFLOPs"]) * 1e12, expert_call_s=float(point.get("expert_call_us", 0.0)) * 1e-6)
+    calibration = calibration_links(c.get("calibration"))
     if not calibration and not c.get("intra_node_GBps"):
         raise ValueError(f"profile={name}: needs intra_node_GBps (GB/s) or a calibration list")
     return Profile(name=name, world_size=int(c.get("world_size", 0) or 0), dtype=c.get("dtype") or "float32",
-                   link=None if calibration else _link_from_fields(c), calibration=calibration,
+                   link=None if calibration else link_from_fields(c), calibration=calibration,
                    source=c.get("source", ""))
 
 
@@ -184,6 +154,35 @@ def a2a_seconds(bytes_PP: np.ndarray, link: Link, calls: int = 1) -> float:
     t_rank = np.maximum(intra / link.intra_Bps, inter / link.inter_Bps if inter.any() else 0.0)
     latency = link.inter_latency_s if cross.any() and link.inter_latency_s else link.intra_latency_s
     return calls * latency + float(t_rank.max())
+
+
+def rooted_seconds(bytes_PP: np.ndarray, link: Link, calls: int = 1, kind: str = "broadcast") -> float:
+    """Projected time of ``calls`` broadcasts (or reduces, ``kind="reduce"``) whose summed
+    logical bytes are ``bytes_PP[src, dst]``: each root's payload crosses the slowest link
+    it needs once (a pipelined tree or ring moves a broadcast's bytes once per link, not
+    once per peer), one root after another, plus the latency of every call."""
+    bytes_PP = np.asarray(bytes_PP, dtype=float)
+    P = bytes_PP.shape[0]
+    if P <= 1:
+        return 0.0
+    remote = bytes_PP * ~np.eye(P, dtype=bool)
+    payload = remote.max(1) if kind == "broadcast" else remote.max(0)     # per root
+    multi_node = link.devices_per_node and link.devices_per_node < P
+    bandwidth = link.slowest_Bps if multi_node else link.intra_Bps
+    latency = link.inter_latency_s if multi_node and link.inter_latency_s else link.intra_latency_s
+    return calls * latency + float(payload.sum()) / bandwidth
+
+
+ROOTED = ("broadcast", "reduce")
+
+
+def collective_seconds(bytes_PP: np.ndarray, link: Link, calls: int, kind: str) -> float:
+    """A collective of any kind: rooted ones (broadcast, reduce) by :func:`rooted_seconds`,
+    the others (all-to-all, all-gather, reduce-scatter: every rank sends its blocks to its
+    peers) by :func:`a2a_seconds` on their per-peer bytes."""
+    if kind in ROOTED:
+        return rooted_seconds(bytes_PP, link, calls, kind)
+    return a2a_seconds(bytes_PP, link, calls)
 
 
 def swiglu_flops(rows: float, hidden: int, ffn: int, backward: bool = False) -> float:
@@ -240,8 +239,15 @@ def real_model_of(run_model: str) -> str:
     return run_model[:-len("_proxy")] if run_model.endswith("_proxy") else run_model
 
 
+def _kinds(run: pd.DataFrame) -> dict:
+    """{(layer, phase, pass): collective kind} from the ``<kind>_calls`` rows (runs written
+    before those rows existed: every collective an all-to-all)."""
+    calls = run[run.metric.str.endswith("_calls") & (run.unit == "calls")]
+    return {key: g.metric.iloc[0][:-len("_calls")] for key, g in calls.groupby(["layer", "phase", "pass"])}
+
+
 def _collectives(run: pd.DataFrame) -> pd.DataFrame:
-    """Per (layer, phase, pass): the byte matrix, rows, calls per timed iteration."""
+    """Per (layer, phase, pass): the byte matrix, rows, calls per timed iteration, kind."""
     b = run[run.metric == "bytes"]
     r = run[run.metric == "rows"]
     P = int(run.world_size.iloc[0])
@@ -250,13 +256,15 @@ def _collectives(run: pd.DataFrame) -> pd.DataFrame:
     calls = first[first["rank"] == first["rank"].min()].groupby(["layer", "phase", "pass"]).size() \
         if not first.empty else pd.Series(dtype=int)
     meta = run[run.metric == "meta_bytes"]
+    kinds = _kinds(run)
     out = []
     for (layer, phase, direction), g in b.groupby(["layer", "phase", "pass"]):
         rows = r[(r.layer == layer) & (r.phase == phase) & (r["pass"] == direction)].value.sum()
         m = meta[(meta.layer == layer) & (meta.phase == phase) & (meta["pass"] == direction)]
         out.append({"layer": layer, "phase": phase, "direction": direction, "bytes_PP": _peer_matrix(g, P),
-                    "meta_PP": _peer_matrix(m, P), "rows": rows, "calls": int(calls.get((layer, phase, direction), 1))})
-    return pd.DataFrame(out)
+                    "meta_PP": _peer_matrix(m, P), "rows": rows, "calls": int(calls.get((layer, phase, direction), 1)),
+                    "kind": kinds.get((layer, phase, direction), "all_to_all")})
+    return pd.DataFrame(out, columns=["layer", "phase", "direction", "bytes_PP", "meta_PP", "rows", "calls", "kind"])
 
 
 def _peer_matrix(g: pd.DataFrame, P: int) -> np.ndarray:
@@ -286,6 +294,46 @@ def wire_matrix(hidden_PP: np.ndarray, meta_PP: np.ndarray, rows: float, D_run: 
     return hidden_PP / per_row * D * element_bytes + meta_PP / run_element * element_bytes
 
 
+def _resized(c, run: pd.DataFrame, profile: "Profile", target: Optional["Target"]) -> np.ndarray:
+    """A collective's [P, P] bytes at the target model's width and the profile's element
+    size: token rows (D elements, :func:`wire_matrix`) and weight rows (one expert's
+    3 D F elements) re-sized, other rows (routing metadata) as they are. ``c``: a row of
+    :func:`_collectives`."""
+    if target is None or not c.rows:
+        return c.bytes_PP
+    D, F = int(run.hidden_size.iloc[0]), int(run.expert_ffn_size.iloc[0])
+    tokens = wire_matrix(c.bytes_PP - c.meta_PP, c.meta_PP, c.rows, D, target.hidden_size, profile.element_bytes)
+    if tokens is not None:
+        return tokens
+    element = c.bytes_PP.sum() / c.rows / (3 * D * F)
+    if np.isclose(element, round(element)) and round(element) in ELEMENT_BYTES.values():
+        return c.bytes_PP / (3 * D * F * round(element)) * 3 * target.hidden_size * target.expert_ffn_size \
+            * profile.element_bytes
+    return c.bytes_PP
+
+
+def pipeline_degree(run: pd.DataFrame, layer: int) -> int:
+    """The chunks a pipelined system cut layer ``layer`` into (its ``pipeline_degree``
+    counter; 1 for every other system)."""
+    c = run[(run.metric == "pipeline_degree") & (run.layer == layer) & (run["rank"] >= 0)]
+    return int(c.value.max()) if not c.empty else 1
+
+
+def _overlap_rows(layer: int, degree: int, a2a: list, expert_ms: dict, chunk_expert_ms: dict) -> list:
+    """For a layer cut into ``degree`` chunks: per pass, the time its pipeline hides (a
+    negative ``overlap`` component: the pipelined time of the chunked collectives and the
+    experts minus their serial sum; see :func:`occult.ep.links.pipeline_seconds`)."""
+    from occult.ep.links import pipeline_seconds
+
+    out = []
+    for direction, experts in expert_ms.items():
+        chunked = {phase: ms for phase, d, calls, ms in a2a if d == direction and calls == degree}
+        d, c = chunked.get("dispatch", 0.0), chunked.get("combine", 0.0)
+        piped = pipeline_seconds(d / degree, chunk_expert_ms[direction], c / degree, degree)
+        out.append({"layer": layer, "component": "overlap", "pass": direction, "ms": piped - (d + c + experts)})
+    return out
+
+
 def _expert_rows(run: pd.DataFrame, layer: int) -> np.ndarray:
     """(token, expert) rows each rank's experts process in one layer: tokens per rank x K
     (balanced) plus the padding rows the system reported, minus dropped pairs and pairs
@@ -308,23 +356,21 @@ def _expert_rows(run: pd.DataFrame, layer: int) -> np.ndarray:
 def project_run(run: pd.DataFrame, profile: Profile, target: Optional[Target] = None) -> pd.DataFrame:
     """Projected per-layer times of one run's timed iteration on ``profile``.
 
-    Rows: ``layer, component`` (``a2a:<phase>``, ``experts``), ``pass``, ``ms``; plus
-    ``source = projected``, the profile and target names. Layer -1 rows are totals over
-    the target's MoE layers (``component = moe``: all-to-alls + experts).
+    Rows: ``layer, component`` (``a2a:<phase>``: every collective, priced by its kind;
+    ``experts``; ``overlap``: for a pipelined layer, the (negative) time its chunks hide),
+    ``pass``, ``ms``; plus ``source = projected``, the profile and target names. Layer -1
+    rows are totals over the target's MoE layers (``component = moe``: the sum of the others).
     """
     P = int(run.world_size.iloc[0])
     link = profile.at(P)
     D_run, F_run = int(run.hidden_size.iloc[0]), int(run.expert_ffn_size.iloc[0])
     D, F = (target.hidden_size, target.expert_ffn_size) if target else (D_run, F_run)
     coll = _collectives(run)
-    out = []
+    out, a2a = [], {}
     for c in coll.itertuples():
-        mat = c.bytes_PP
-        if target is not None:          # metadata riding with the rows keeps its element count
-            resized = wire_matrix(mat - c.meta_PP, c.meta_PP, c.rows, D_run, D, profile.element_bytes)
-            mat = mat if resized is None else resized
-        out.append({"layer": c.layer, "component": f"a2a:{c.phase}", "pass": c.direction,
-                    "ms": a2a_seconds(mat, link, c.calls) * 1e3})
+        ms = collective_seconds(_resized(c, run, profile, target), link, c.calls, c.kind) * 1e3
+        a2a.setdefault(c.layer, []).append((c.phase, c.direction, c.calls, ms))
+        out.append({"layer": c.layer, "component": f"a2a:{c.phase}", "pass": c.direction, "ms": ms})
     backward = bool((run["pass"] == "backward").any())
     layers = sorted(coll.layer.unique()) if not coll.empty else [0]
     for layer in layers:
@@ -332,10 +378,18 @@ def project_run(run: pd.DataFrame, profile: Profile, target: Optional[Target] = 
         e = int(run.num_experts.iloc[0]) // P
         disp = coll[(coll.layer == layer) & (coll.phase == "dispatch") & (coll.direction == "forward")]
         calls = int(disp.calls.max()) if not disp.empty else 1
+        degree = pipeline_degree(run, layer)
+        expert_ms, chunk_ms = {}, {}
         for direction in ("forward", "backward") if backward else ("forward",):
-            out.append({"layer": layer, "component": "experts", "pass": direction,
-                        "ms": expert_seconds(rows_P, D, F, link, backward=direction == "backward", local_experts=e,
-                                             element_bytes=profile.element_bytes, calls=calls) * 1e3})
+            bwd = direction == "backward"
+            expert_ms[direction] = expert_seconds(rows_P, D, F, link, backward=bwd, local_experts=e,
+                                                  element_bytes=profile.element_bytes, calls=calls) * 1e3
+            chunk_ms[direction] = expert_seconds(rows_P / degree, D, F, link, backward=bwd, local_experts=e,
+                                                 element_bytes=profile.element_bytes,
+                                                 calls=max(calls // degree, 1)) * 1e3
+            out.append({"layer": layer, "component": "experts", "pass": direction, "ms": expert_ms[direction]})
+        if degree > 1:
+            out += _overlap_rows(layer, degree, a2a.get(layer, []), expert_ms, chunk_ms)
     per_layer = pd.DataFrame(out)
     n_layers = target.moe_layers if target and target.moe_layers else len(layers)
     mean_layer = per_layer.groupby("layer").ms.sum().mean() if not per_layer.empty else 0.0
@@ -380,8 +434,19 @@ def project_single_device(run: pd.DataFrame, profile: Profile, target: Optional[
     return per_layer
 
 
+def same_nodes(run: pd.DataFrame, link: Link) -> bool:
+    """Whether a run may be projected onto a profile's node layout: runs that declared no
+    layout (``devices_per_node`` 0) project onto any; a run whose ranks were grouped into
+    nodes (a system may have staged its exchange by them) only onto the same grouping."""
+    P = int(run.world_size.iloc[0])
+    declared = int(run.devices_per_node.iloc[0]) if "devices_per_node" in run else 0
+    one_node = lambda g: g if 0 < g < P else P
+    return declared == 0 or one_node(declared) == one_node(link.devices_per_node)
+
+
 def project_runs(df: pd.DataFrame, profile: Profile, target=None, single_device: bool = False) -> pd.DataFrame:
-    """:func:`project_run` over every run in ``df`` whose world size the profile covers.
+    """:func:`project_run` over every run in ``df`` whose world size (and, when the run
+    declared one, node layout: :func:`same_nodes`) the profile covers.
 
     ``target``: None (each run's own model), a :class:`Target`, or ``"real"`` (the
     paper model each proxy stands for). ``single_device``: also project whole-model runs
@@ -394,7 +459,7 @@ def project_runs(df: pd.DataFrame, profile: Profile, target=None, single_device:
         P = int(run.world_size.iloc[0])
         covered = P in profile.calibration if profile.calibration else P == profile.world_size
         exchanges = (run.metric == "bytes").any()
-        if not covered or not (exchanges or single_device):
+        if not covered or not (exchanges or single_device) or not same_nodes(run, profile.at(P)):
             continue
         tgt = target_model(real_model_of(str(run.model.iloc[0]))) if target == "real" else target
         proj = project_run(run, profile, tgt) if exchanges else project_single_device(run, profile, tgt)

@@ -6,7 +6,7 @@ from typing import Iterable, Union
 
 import pandas as pd
 
-from occult.records import RESULTS_FILE
+from occult.records import LATER_COLUMNS, RESULTS_FILE
 
 
 def find_results(paths: Union[str, Path, Iterable]) -> list[Path]:
@@ -32,6 +32,9 @@ def load_runs(paths) -> pd.DataFrame:
     frames = []
     for f in files:
         df = pd.read_parquet(f)
+        for column, default in LATER_COLUMNS.items():     # tables written before the column existed
+            if column not in df:
+                df[column] = default
         df["run_dir"] = str(f.parent)
         frames.append(df)
     return pd.concat(frames, ignore_index=True)

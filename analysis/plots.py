@@ -15,10 +15,13 @@ SYSTEM_COLORS = {
     "reference": "#7f7f7f", "naive": "#1f77b4", "occult": "#d62728", "occult_placed": "#ff7f0e",
     "occult_prune_score": "#9467bd", "occult_prune_sim": "#8c564b", "deepspeed": "#2ca02c",
     "tutel": "#e377c2", "megablocks": "#17becf", "exflow": "#bcbd22",
+    "allgather": "#aec7e8", "hierarchical": "#393b79", "pipelined": "#637939", "shadow": "#e7969c",
+    "expert_fetch": "#843c39",
 }
 # the order systems appear in legends and on axes (others follow, alphabetically)
-SYSTEM_ORDER = ["reference", "naive", "deepspeed", "tutel", "megablocks", "exflow", "occult",
-                "occult_placed", "occult_prune_score", "occult_prune_sim"]
+SYSTEM_ORDER = ["reference", "naive", "deepspeed", "tutel", "megablocks", "exflow", "allgather", "hierarchical",
+                "pipelined", "shadow", "expert_fetch", "occult", "occult_placed", "occult_prune_score",
+                "occult_prune_sim"]
 SOURCE_HATCH = {"measured": "", "projected": "//"}
 PHASES = ["route", "dispatch", "experts", "combine"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-RUN_KEYS = ["experiment", "model", "task", "cluster", "world_size", "num_experts", "top_k",
+RUN_KEYS = ["experiment", "model", "task", "cluster", "world_size", "devices_per_node", "num_experts", "top_k",
             "hidden_size", "expert_ffn_size", "tokens_per_rank", "routing", "batch_size", "seq_len", "seed"]
 SYSTEM_KEYS = ["system", "impl"]
 

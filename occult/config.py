@@ -109,6 +109,10 @@ class ClusterConf:
     # CPU ranks keep freed memory for reuse and use huge pages, as a GPU's caching allocator
     # does (occult.dist.HOST_MEMORY_CACHE); false: the C library's defaults
     host_memory_cache: bool = True
+    # ranks per node (0: every rank in one node): node n holds ranks [n G, (n + 1) G); systems
+    # that stage their exchange by node (system=hierarchical) read it, the analysis splits
+    # bytes into intra- and inter-node by it
+    devices_per_node: int = 0
     run_timeout_s: float = 3600.0       # whole run
     collective_timeout_s: float = 300.0
 

@@ -1,7 +1,7 @@
 """The tidy results table: one row per measurement, long format, with units and provenance.
 
 Columns: the run's context (run_id, experiment, label, system, impl,
-system_options, model, init, task, cluster, world_size, num_experts, top_k,
+system_options, model, init, task, cluster, world_size, devices_per_node, num_experts, top_k,
 hidden_size, expert_ffn_size, tokens_per_rank, routing, batch_size, seq_len, seed,
 config_hash), the measurement (layer, rank, phase, pass, metric, value, unit,
 sample, src_rank, dst_rank) and provenance (git_commit, torch_version, device,
@@ -34,7 +34,7 @@ import torch
 MEASUREMENT_COLUMNS = ["layer", "rank", "phase", "pass", "metric", "value", "unit", "sample",
                        "src_rank", "dst_rank"]
 CONTEXT_COLUMNS = ["run_id", "experiment", "label", "system", "impl", "system_options", "model", "init", "task",
-                   "cluster", "world_size", "num_experts", "top_k", "hidden_size", "expert_ffn_size",
+                   "cluster", "world_size", "devices_per_node", "num_experts", "top_k", "hidden_size", "expert_ffn_size",
                    "tokens_per_rank", "routing", "batch_size", "seq_len", "seed", "config_hash"]
 PROVENANCE_COLUMNS = ["git_commit", "torch_version", "device", "hostname", "time", "clock", "launcher"]
 COLUMNS = CONTEXT_COLUMNS + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
@@ -42,6 +42,11 @@ RESULTS_FILE = "results.parquet"
 RUN_CONFIG_FILE = "run_config.json"      # the composed config the results belong to (resume checks it)
 # keys of the composed config that do not change a run's results (left out of its hash)
 NOT_HASHED = ("resume", "out_dir", "report", "cluster.run_timeout_s", "cluster.collective_timeout_s")
+# keys added after results were first written, hashed only when they differ from the default that
+# reproduces those results (so earlier runs keep their hash and resume), and the value a table
+# written before them holds
+LATER_KEYS = {"cluster.devices_per_node": 0}
+LATER_COLUMNS = {"devices_per_node": 0}
 
 
 def row(metric: str, value: float, unit: str, *, layer: int = -1, rank: int = -1, phase: str = "",
@@ -99,7 +104,8 @@ def hashed_config(cfg_container: dict) -> dict:
     """The composed config (resolved, plain containers) as it is hashed: flattened, without
     the keys that do not change results (:data:`NOT_HASHED`)."""
     flat = flatten({k: v for k, v in cfg_container.items() if k != "hydra"})
-    return {k: v for k, v in flat.items() if not any(k == n or k.startswith(n + ".") for n in NOT_HASHED)}
+    return {k: v for k, v in flat.items() if not any(k == n or k.startswith(n + ".") for n in NOT_HASHED)
+            and not (k in LATER_KEYS and v == LATER_KEYS[k])}
 
 
 def config_hash(hashed: dict) -> str:
@@ -137,10 +143,11 @@ def read_run_config(out_dir) -> "dict | None":
 def make_frame(rows: list, context: dict) -> pd.DataFrame:
     """Rows plus the run's context and provenance, in the schema's column order. A row
     may carry its own value of a context column (e.g. one of several systems a run
-    compares); the run's value fills the rest."""
+    compares); the run's value fills the rest. Columns added to the schema later
+    (:data:`LATER_COLUMNS`) default to the value older runs had."""
     own = [c for c in CONTEXT_COLUMNS if any(c in r for r in rows)]
     df = pd.DataFrame(rows, columns=MEASUREMENT_COLUMNS + own)
-    for key, value in {**provenance(), **context}.items():
+    for key, value in {**provenance(), **LATER_COLUMNS, **context}.items():
         df[key] = df[key].where(df[key].notna(), value) if key in own else value
     missing = [c for c in COLUMNS if c not in df.columns]
     if missing:

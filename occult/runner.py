@@ -47,7 +47,7 @@ def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
             "experiment": cfg.experiment_name, "label": cfg.label, "system": config.name, "impl": config.impl_for(c.world_size),
             "system_options": config.options_json(), "model": m.name,
             "init": cfg_dict.get("checkpoint") or "random", "task": t.name, "cluster": c.name,
-            "world_size": c.world_size, "num_experts": m.num_experts, "top_k": m.top_k,
+            "world_size": c.world_size, "devices_per_node": c.devices_per_node, "num_experts": m.num_experts, "top_k": m.top_k,
             "hidden_size": m.hidden_size, "expert_ffn_size": m.expert_ffn_size,
             "tokens_per_rank": t.tokens_per_rank, "routing": t.routing, "batch_size": t.batch_size,
             "seq_len": t.seq_len, "seed": cfg.seed, "config_hash": digest, "clock": clock_name(c.backend),
@@ -120,7 +120,8 @@ def run(cfg: DictConfig, out_dir) -> Path | None:
             cfg_dict = broadcast_from_rank0(cfg_dict)
     per_rank = launch(entry, c.world_size, (cfg_dict,), seed=cfg.seed,
                       timeout_s=c.run_timeout_s, collective_timeout_s=c.collective_timeout_s,
-                      threads=c.threads_per_rank, backend=c.backend, host_memory_cache=c.host_memory_cache)
+                      threads=c.threads_per_rank, backend=c.backend, host_memory_cache=c.host_memory_cache,
+                      devices_per_node=c.devices_per_node)
     if not leader:               # rank 0 writes
         return None
     rows = [r for rank_rows in per_rank for r in rank_rows]

@@ -113,6 +113,11 @@ def validate(cfg) -> list[str]:
     _check_task(t)
     P = c.world_size
     _at_least("cluster.world_size", P, 1)
+    G = c.devices_per_node
+    if G < 0 or (G and P % G):
+        divisors = [d for d in range(1, P + 1) if P % d == 0]
+        raise ConfigError(f"cluster.devices_per_node={G}: allowed values are 0 (one node) or a divisor of "
+                          f"cluster.world_size={P}: {divisors}")
     if c.backend not in BACKENDS:
         raise ConfigError(f"cluster.backend={c.backend!r}: allowed values are {list(BACKENDS)}")
     _check_world(c)

@@ -187,7 +187,7 @@ def test_resume_skips_the_same_config_and_refuses_another(tmp_path):
 @pytest.mark.parametrize("overrides, line", [
     (["model.topk=2"], "error: model.topk: unknown key; allowed: name, num_experts, top_k"),
     (["model.top_k=two"], "error: model.top_k='two': Value 'two' of type 'str' could not be converted to Integer"),
-    (["system=nonesuch"], "error: system=nonesuch: no such option; available: adaptive_topk, deepspeed, exflow"),
+    (["system=nonesuch"], "error: system=nonesuch: no such option; available: adaptive_topk, allgather, deepspeed, exflow"),
     (["model.hidden_size=0"], "error: model.hidden_size=0: must be at least 1"),
     (["task.zipf_s=-0.5"], "error: task.zipf_s=-0.5: must be >= 0"),
     (["system=occult_prune_score", "system.budget=8"],

@@ -34,6 +34,7 @@ class CommEvent:
     wait_seconds: float = 0.0   # barrier before it (only with Recorder.sync_collectives)
     meta_row_bytes: int = 0     # of row_bytes, the metadata riding with each row
     raw_seconds: float = -1.0   # the same exchange as a plain all_to_all_single (Recorder.raw_replay)
+    collective: str = "all_to_all"   # all_to_all | all_gather | reduce_scatter | broadcast | reduce
 
 
 @dataclass
@@ -58,10 +59,15 @@ class Recorder:
 
     def log_collective(self, *, layer: int, phase: str, direction: str, rows_P, row_bytes: int,
                        seconds: float, wait_seconds: float = 0.0, meta_row_bytes: int = 0,
-                       raw_seconds: float = -1.0) -> None:
+                       raw_seconds: float = -1.0, collective: str = "all_to_all") -> None:
         self.comm.append(CommEvent(layer, phase, direction, self.rank, tuple(int(r) for r in rows_P),
                                    int(row_bytes), float(seconds), float(wait_seconds), int(meta_row_bytes),
-                                   float(raw_seconds)))
+                                   float(raw_seconds), collective))
+
+    def log_span(self, layer: int, name: str, direction: str, seconds: float) -> None:
+        """A timed span measured by the caller (e.g. a pipelined schedule's time not hidden by
+        compute: the time of its chunk loop minus the expert spans inside it)."""
+        self.spans.append((layer, name, direction, float(seconds)))
 
     @contextmanager
     def span(self, layer: int, name: str, direction: str = "forward"):

@@ -1,9 +1,34 @@
-"""Differentiable variable-split all-to-all, accounted.
+"""Accounted collectives: the one place where systems talk to other ranks.
 
-The one place where dispatchers talk to other ranks. Forward runs
-``all_to_all_single`` with the given split sizes; backward runs the transposed
-exchange (send and receive splits swapped). Both log the split sizes that went
-into the collective, and the time it took, on the call's :class:`Recorder`.
+Every collective logs, on the call's :class:`Recorder`, the rows it sent to each peer
+(from the split sizes that went into it), the bytes per row, which collective it was and
+how long it took; its backward (where it is differentiable) runs the transposed
+collective and logs it too, as pass ``backward``.
+
+* :func:`all_to_all_rows` (variable splits; backward: the transposed all-to-all) and
+  :func:`exchange_counts` (the small metadata exchange before it);
+* :func:`all_gather_rows` (every rank's rows to every rank; backward: a reduce-scatter
+  of the gradients);
+* :func:`reduce_scatter_rows` (block j of every rank's rows is summed on rank j;
+  backward: an all-gather);
+* :func:`broadcast_rows` (one rank's rows to every rank; backward: a reduce of the
+  gradients to that rank);
+* :func:`start_all_to_all` (an all-to-all that runs while the caller computes, for
+  pipelined schedules; not differentiable by itself).
+
+What is logged is each collective's *logical* traffic, per (source, destination) pair:
+an all-gather sends the rank's rows to every peer, a broadcast sends the source's rows to
+every peer, a reduce sends every rank's rows to the destination, a reduce-scatter sends
+block j to rank j. How a backend moves them (rings, trees) is the backend's business; the
+cost model (:mod:`analysis.costmodel`) prices each kind. Rows a rank keeps for itself
+are logged as sent to itself (free in every model).
+
+Backends: gloo (this CPU) has all-gather only for equal row counts, so an all-gather of
+unequal counts runs as an all-to-all whose send splits are the rank's own row count to
+every peer (the same rows move; logged the same way). gloo has reduce-scatter and
+reduce, so those are the backend's own collectives.
+
+Shapes: R rows, D the rest of a row's shape, P ranks.
 """
 from __future__ import annotations
 
@@ -16,15 +41,41 @@ import torch.distributed as dist
 from .accounting import Recorder
 from .measure import barrier, clock
 
+ALL_TO_ALL, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE = (
+    "all_to_all", "all_gather", "reduce_scatter", "broadcast", "reduce")
+
 
 @dataclass(frozen=True)
 class EPGroup:
-    """The expert-parallel group a dispatcher talks to (static, per process)."""
+    """The expert-parallel group a dispatcher talks to (static, per process).
+
+    ``devices_per_node``: ranks per node (``cluster.devices_per_node``; 0: every rank in
+    one node). Ranks ``[n * G, (n + 1) * G)`` form node n.
+    """
 
     rank: int = 0
     world_size: int = 1
     group: Optional[object] = None   # a torch.distributed ProcessGroup, None = default / single process
     device: str = "cpu"              # where this rank computes: "cpu" (gloo) or "cuda:<local rank>" (NCCL)
+    devices_per_node: int = 0
+
+    def __post_init__(self) -> None:
+        G = self.devices_per_node
+        if G < 0 or (G and self.world_size % G):
+            raise ValueError(f"cluster.devices_per_node={G}: allowed values are 0 (one node) or a divisor of "
+                             f"the world size {self.world_size}")
+
+    @property
+    def per_node(self) -> int:
+        """Ranks per node, G (the whole world when ``devices_per_node`` is 0)."""
+        return self.devices_per_node or self.world_size
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.per_node
 
 
 @dataclass(frozen=True)
@@ -39,27 +90,52 @@ class Exchange:
     meta_cols: int = 0
 
 
-def _exchange(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where: Exchange,
-              direction: str, meta_row_bytes: Optional[int] = None) -> torch.Tensor:
-    """One all-to-all of rows; ``send_P[j]`` rows go to rank j, ``recv_P[j]`` come from rank j.
-    ``meta_row_bytes``: of each row's bytes, the metadata (default: ``where.meta_cols`` values)."""
+def _row_bytes(x: torch.Tensor) -> int:
+    return int(torch.Size(x.shape[1:]).numel() * x.element_size())
+
+
+def _log(where: Exchange, direction: str, collective: str, rows_P, x: torch.Tensor, t0: float,
+         wait: float, meta_row_bytes: Optional[int] = None, replay=None) -> None:
+    """Logs a collective that started at ``t0`` and has ended. ``meta_row_bytes``: of each
+    row's bytes, the metadata (default: ``where.meta_cols`` values); ``replay``: a callable
+    that runs the same exchange again as the bare collective and returns its seconds
+    (called only with ``Recorder.raw_replay``)."""
+    rec = where.recorder
+    if rec is not None:
+        seconds = clock() - t0
+        raw = replay() if replay is not None and rec.raw_replay else -1.0
+        rec.log_collective(layer=where.layer, phase=where.phase, direction=direction, rows_P=rows_P,
+                           row_bytes=_row_bytes(x), seconds=seconds, wait_seconds=wait,
+                           meta_row_bytes=(where.meta_cols * x.element_size() if meta_row_bytes is None
+                                           else meta_row_bytes), raw_seconds=raw, collective=collective)
+
+
+def _start(ep: EPGroup, where: Exchange) -> tuple[float, float]:
+    """(barrier wait, start time) of a collective (the barrier only with sync_collectives)."""
     rec = where.recorder
     wait = barrier(ep) if rec is not None and rec.sync_collectives else 0.0
-    t0 = clock()
+    return wait, clock()
+
+
+def _a2a(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup) -> torch.Tensor:
     x_RD = x_RD.contiguous()
     out = x_RD.new_empty((sum(recv_P),) + tuple(x_RD.shape[1:]))
     if ep.world_size == 1:
         out.copy_(x_RD)
     else:
         dist.all_to_all_single(out, x_RD, list(recv_P), list(send_P), group=ep.group)
-    if rec is not None:
-        seconds = clock() - t0
-        raw = _raw_seconds(x_RD, out, send_P, recv_P, ep) if rec.raw_replay else -1.0
-        row_bytes = int(torch.Size(x_RD.shape[1:]).numel() * x_RD.element_size())
-        rec.log_collective(layer=where.layer, phase=where.phase, direction=direction, rows_P=send_P,
-                           row_bytes=row_bytes, seconds=seconds, wait_seconds=wait,
-                           meta_row_bytes=(where.meta_cols * x_RD.element_size() if meta_row_bytes is None
-                                           else meta_row_bytes), raw_seconds=raw)
+    return out
+
+
+def _exchange(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where: Exchange,
+              direction: str, meta_row_bytes: Optional[int] = None) -> torch.Tensor:
+    """One all-to-all of rows; ``send_P[j]`` rows go to rank j, ``recv_P[j]`` come from rank j.
+    ``meta_row_bytes``: of each row's bytes, the metadata (default: ``where.meta_cols`` values)."""
+    wait, t0 = _start(ep, where)
+    x_RD = x_RD.contiguous()
+    out = _a2a(x_RD, send_P, recv_P, ep)
+    _log(where, direction, ALL_TO_ALL, send_P, x_RD, t0, wait, meta_row_bytes,
+         replay=lambda: _raw_seconds(x_RD, out, send_P, recv_P, ep))
     return out
 
 
@@ -126,11 +202,196 @@ def all_to_all_rows(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup,
     return _exchange(x_RD, send_P, recv_P, ep, where, "forward")
 
 
-def exchange_counts(counts_PX: torch.Tensor, ep: EPGroup, where: Exchange) -> torch.Tensor:
+def exchange_counts(counts_PX: torch.Tensor, ep: EPGroup, where: Exchange,
+                    peers_P: Optional[list] = None) -> torch.Tensor:
     """Send row j of ``counts_PX`` (int64, [P, X]) to rank j; returns what each rank sent us.
 
     This is the metadata exchange that precedes variable-split all-to-alls
     (a device-to-host sync follows when the caller turns counts into splits).
+    ``peers_P`` (bools, the same pattern on both sides of every pair): exchange with those
+    ranks only (a staged exchange talks to some peers); the rows of the others are zeros.
     """
     P = ep.world_size
-    return _exchange(counts_PX, [1] * P, [1] * P, ep, where, "forward")
+    if peers_P is None:
+        return _exchange(counts_PX, [1] * P, [1] * P, ep, where, "forward")
+    splits = [int(bool(p)) for p in peers_P]
+    mask_P = torch.tensor(splits, dtype=torch.bool, device=counts_PX.device)
+    got_QX = _exchange(counts_PX[mask_P], splits, splits, ep, where, "forward")
+    out_PX = torch.zeros_like(counts_PX)
+    out_PX[mask_P] = got_QX
+    return out_PX
+
+
+# ---------------------------------------------------------------------------
+# all-gather and reduce-scatter (each other's backward)
+# ---------------------------------------------------------------------------
+
+
+def _gather(x_RD: torch.Tensor, counts_P: list, ep: EPGroup, where: Exchange, direction: str) -> torch.Tensor:
+    """Every rank's rows, in rank order: [counts_P[rank], ...] -> [sum(counts_P), ...]."""
+    P, mine = ep.world_size, counts_P[ep.rank]
+    wait, t0 = _start(ep, where)
+    x_RD = x_RD.contiguous()
+    if P == 1:
+        out = x_RD.clone()
+    elif len(set(counts_P)) == 1:
+        out = x_RD.new_empty((sum(counts_P),) + tuple(x_RD.shape[1:]))
+        dist.all_gather_single(out, x_RD, group=ep.group)
+    else:   # unequal counts: gloo's all-gather refuses them; the same rows through an all-to-all
+        out = _a2a(x_RD.repeat((P,) + (1,) * (x_RD.dim() - 1)), [mine] * P, counts_P, ep)
+    _log(where, direction, ALL_GATHER, [mine] * P, x_RD, t0, wait)
+    return out
+
+
+def _scatter_sum(x_RD: torch.Tensor, counts_P: list, ep: EPGroup, where: Exchange,
+                 direction: str) -> torch.Tensor:
+    """Block j of every rank's rows, summed on rank j: [sum(counts_P), ...] -> [counts_P[rank], ...]."""
+    wait, t0 = _start(ep, where)
+    x_RD = x_RD.contiguous()
+    if ep.world_size == 1:
+        out = x_RD.clone()
+    else:
+        out = x_RD.new_empty((counts_P[ep.rank],) + tuple(x_RD.shape[1:]))
+        dist.reduce_scatter(out, list(torch.split(x_RD, counts_P)), group=ep.group)
+    _log(where, direction, REDUCE_SCATTER, counts_P, x_RD, t0, wait)
+    return out
+
+
+class _AllGatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RD, counts_P, ep, where):
+        ctx.counts_P, ctx.ep, ctx.where = counts_P, ep, where
+        return _gather(x_RD, counts_P, ep, where, "forward")
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        return _scatter_sum(grad_RD, ctx.counts_P, ctx.ep, ctx.where, "backward"), None, None, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RD, counts_P, ep, where):
+        ctx.counts_P, ctx.ep, ctx.where = counts_P, ep, where
+        return _scatter_sum(x_RD, counts_P, ep, where, "forward")
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        return _gather(grad_RD, ctx.counts_P, ctx.ep, ctx.where, "backward"), None, None, None
+
+
+def all_gather_rows(x_RD: torch.Tensor, counts_P: list, ep: EPGroup, where: Exchange) -> torch.Tensor:
+    """Every rank's rows on every rank, in rank order, differentiable (backward: the
+    gradients of each rank's rows, summed over ranks, go back to it):
+    [counts_P[rank], ...] -> [sum(counts_P), ...]. ``counts_P``: every rank's row count."""
+    counts_P = [int(c) for c in counts_P]
+    if x_RD.shape[0] != counts_P[ep.rank]:
+        raise ValueError(f"all_gather_rows: {x_RD.shape[0]} rows but counts_P[{ep.rank}]={counts_P[ep.rank]}")
+    if x_RD.requires_grad:
+        return _AllGatherRows.apply(x_RD, counts_P, ep, where)
+    return _gather(x_RD, counts_P, ep, where, "forward")
+
+
+def reduce_scatter_rows(x_RD: torch.Tensor, counts_P: list, ep: EPGroup, where: Exchange) -> torch.Tensor:
+    """Rows ``[sum(counts_P[:j]), sum(counts_P[:j+1]))`` of every rank, summed on rank j,
+    differentiable (backward: an all-gather): [sum(counts_P), ...] -> [counts_P[rank], ...]."""
+    counts_P = [int(c) for c in counts_P]
+    if x_RD.requires_grad:
+        return _ReduceScatterRows.apply(x_RD, counts_P, ep, where)
+    return _scatter_sum(x_RD, counts_P, ep, where, "forward")
+
+
+# ---------------------------------------------------------------------------
+# broadcast and reduce (each other's backward)
+# ---------------------------------------------------------------------------
+
+
+def _broadcast(buf_RD: torch.Tensor, src: int, ep: EPGroup, where: Exchange, direction: str) -> torch.Tensor:
+    """``src``'s rows on every rank (``buf_RD``: the rows on ``src``, a buffer of their shape elsewhere)."""
+    P = ep.world_size
+    wait, t0 = _start(ep, where)
+    out = buf_RD.contiguous().clone()
+    if P > 1:
+        dist.broadcast(out, src=src, group=ep.group)     # src: a global rank (the group spans the world)
+    rows_P = [out.shape[0] if ep.rank == src else 0] * P
+    _log(where, direction, BROADCAST, rows_P, out, t0, wait)
+    return out
+
+
+def _reduce(x_RD: torch.Tensor, dst: int, ep: EPGroup, where: Exchange, direction: str) -> torch.Tensor:
+    """The sum over ranks of ``x_RD`` on ``dst`` (zeros elsewhere: only ``dst`` holds the rows)."""
+    P = ep.world_size
+    wait, t0 = _start(ep, where)
+    out = x_RD.contiguous().clone()
+    if P > 1:
+        dist.reduce(out, dst=dst, group=ep.group)
+    rows_P = [out.shape[0] if j == dst else 0 for j in range(P)]
+    _log(where, direction, REDUCE, rows_P, out, t0, wait)
+    return out if ep.rank == dst else torch.zeros_like(out)
+
+
+class _BroadcastRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, buf_RD, src, ep, where):
+        ctx.src, ctx.ep, ctx.where = src, ep, where
+        return _broadcast(buf_RD, src, ep, where, "forward")
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        return _reduce(grad_RD, ctx.src, ctx.ep, ctx.where, "backward"), None, None, None
+
+
+def broadcast_rows(buf_RD: torch.Tensor, src: int, ep: EPGroup, where: Exchange, *,
+                   requires_grad: bool) -> torch.Tensor:
+    """Rank ``src``'s rows on every rank: ``buf_RD`` is the rows on ``src`` and a buffer of
+    the same shape elsewhere (its values unused). With ``requires_grad`` (which every rank
+    must pass alike) it is differentiable: the backward sums every rank's gradient of the
+    rows on ``src`` (a reduce; the other ranks' gradient of their buffer is zero)."""
+    if requires_grad:
+        if ep.rank != src:
+            buf_RD = buf_RD.detach().requires_grad_(True)
+        return _BroadcastRows.apply(buf_RD, int(src), ep, where)
+    return _broadcast(buf_RD.detach(), int(src), ep, where, "forward")
+
+
+# ---------------------------------------------------------------------------
+# an all-to-all that runs while the caller computes
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class PendingExchange:
+    """An all-to-all in flight (:func:`start_all_to_all`); :meth:`wait` returns its rows."""
+
+    out_RD: torch.Tensor
+    work: Optional[object]
+    send_P: list
+    where: Exchange
+    direction: str
+    send_RD: torch.Tensor      # the rows being sent (kept alive until the collective ends)
+    t0: float
+    wait_s: float
+
+    def wait(self) -> torch.Tensor:
+        """Blocks until the rows have arrived; logs the collective (its time: from start to here)."""
+        if self.work is not None:
+            self.work.wait()
+        _log(self.where, self.direction, ALL_TO_ALL, self.send_P, self.send_RD, self.t0, self.wait_s)
+        return self.out_RD
+
+
+def start_all_to_all(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where: Exchange,
+                     direction: str = "forward") -> PendingExchange:
+    """Starts a variable-split all-to-all (not differentiable: a pipelined schedule's own
+    autograd function calls it in both passes) and returns at once; the caller computes,
+    then :meth:`PendingExchange.wait` s. Logged like :func:`all_to_all_rows`, its time
+    being the interval from start to the end of the wait."""
+    send_P, recv_P = [int(s) for s in send_P], [int(r) for r in recv_P]
+    wait, t0 = _start(ep, where)
+    x_RD = x_RD.detach().contiguous()
+    out = x_RD.new_empty((sum(recv_P),) + tuple(x_RD.shape[1:]))
+    work = None
+    if ep.world_size == 1:
+        out.copy_(x_RD)
+    else:
+        work = dist.all_to_all_single(out, x_RD, recv_P, send_P, group=ep.group, async_op=True)
+    return PendingExchange(out, work, send_P, where, direction, x_RD, t0, wait)

@@ -63,3 +63,17 @@ def init_expert_weights(num_experts: int, hidden: int, ffn: int, generator: torc
     return {"w_gate": rnd(num_experts, hidden, ffn, fan_in=hidden),
             "w_up": rnd(num_experts, hidden, ffn, fan_in=hidden),
             "w_down": rnd(num_experts, ffn, hidden, fan_in=ffn)}
+
+
+def expert_rows(experts: GroupedExperts) -> torch.Tensor:
+    """The experts' weights as rows, one per expert: [e, W] with W = 3 D F (gate, up and down
+    flattened), for systems that move weights instead of tokens."""
+    return torch.cat([experts.w_gate.flatten(1), experts.w_up.flatten(1), experts.w_down.flatten(1)], dim=1)
+
+
+def weights_of_rows(rows_UW: torch.Tensor, hidden: int, ffn: int) -> tuple:
+    """The inverse of :func:`expert_rows`: [U, 3 D F] -> (w_gate [U, D, F], w_up [U, D, F],
+    w_down [U, F, D])."""
+    U, n = rows_UW.shape[0], hidden * ffn
+    return (rows_UW[:, :n].view(U, hidden, ffn), rows_UW[:, n:2 * n].view(U, hidden, ffn),
+            rows_UW[:, 2 * n:].view(U, ffn, hidden))

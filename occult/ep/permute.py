@@ -4,25 +4,30 @@ Shapes: T tokens, K top-k, P ranks, e local experts, R rows.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .placement import Placement
 
 
-def sort_pairs_by_destination(topk_ids_TK: torch.Tensor, placement: Placement
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_pairs_by_destination(topk_ids_TK: torch.Tensor, placement: Placement,
+                              keep_TK: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Orders the (token, k) pairs by (destination device, local slot).
 
     Returns ``order_R`` (indices into the flattened [T*K] pairs; ``order_R // K``
     is the token) and ``send_Pe``, the number of pairs for each destination
-    device and local expert: shape [P, e]. Dropped pairs (id ``NO_EXPERT``) are left out
-    of ``order_R``.
+    device and local expert: shape [P, e]. Dropped pairs (id ``NO_EXPERT``) and, when
+    ``keep_TK`` (bool) is given, the pairs it does not keep are left out of ``order_R``
+    and of the counts.
     """
     P, e = placement.num_devices, placement.num_local
     ids = topk_ids_TK.clamp_min(0)
     key_R = (placement.device_E[ids] * e + placement.slot_E[ids]).flatten()
-    dropped_R = (topk_ids_TK < 0).flatten()
-    key_R = torch.where(dropped_R, torch.full_like(key_R, P * e), key_R)     # dropped pairs sort last
+    left_out_R = (topk_ids_TK < 0).flatten()
+    if keep_TK is not None:
+        left_out_R = left_out_R | ~keep_TK.flatten()
+    key_R = torch.where(left_out_R, torch.full_like(key_R, P * e), key_R)     # left-out pairs sort last
     order_R = torch.argsort(key_R, stable=True)
     counts = torch.bincount(key_R, minlength=P * e + 1)
     send_Pe = counts[:P * e].view(P, e)

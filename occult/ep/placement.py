@@ -5,6 +5,7 @@ Shapes: E experts, P devices, e = E / P local experts per device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -16,11 +17,18 @@ class Placement:
     ``device_E[i]`` is the device of global expert ``i`` and ``slot_E[i]`` its
     index among that device's local experts. Groups are equal-sized: every
     device hosts exactly ``E // P`` experts.
+
+    ``replicas_EP`` (optional, bool [E, P]): devices that also hold a copy of an expert
+    for this batch (a replicating system's shadows, FasterMoE / Lina style). The expert's
+    own device and slot stay where ``device_E``/``slot_E`` say (its weights, optimiser
+    state and gradients live there); only systems that replicate read this, every other
+    one sees the placement it always did.
     """
 
     device_E: torch.Tensor
     slot_E: torch.Tensor
     num_devices: int
+    replicas_EP: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         E, P = self.device_E.numel(), self.num_devices
@@ -32,6 +40,8 @@ class Placement:
         key = self.device_E * (E // P) + self.slot_E
         if not torch.equal(torch.sort(key).values, torch.arange(E, device=key.device)):
             raise ValueError("placement: (device, slot) pairs must be distinct and slots in [0, E/P)")
+        if self.replicas_EP is not None and tuple(self.replicas_EP.shape) != (E, P):
+            raise ValueError(f"placement: replicas_EP must be [E, P] = [{E}, {P}], got {tuple(self.replicas_EP.shape)}")
 
     @property
     def num_experts(self) -> int:
@@ -56,7 +66,15 @@ class Placement:
         device = torch.device(device)
         if self.device_E.device == device:
             return self
-        return Placement(self.device_E.to(device), self.slot_E.to(device), self.num_devices)
+        replicas = None if self.replicas_EP is None else self.replicas_EP.to(device)
+        return Placement(self.device_E.to(device), self.slot_E.to(device), self.num_devices, replicas)
+
+    def with_replicas(self, replicated_E: torch.Tensor) -> "Placement":
+        """This placement with every expert flagged in ``replicated_E`` (bool [E]) copied
+        onto every device (a shadowed expert)."""
+        P = self.num_devices
+        replicas_EP = replicated_E.bool().unsqueeze(1).expand(-1, P).clone()
+        return Placement(self.device_E, self.slot_E, P, replicas_EP)
 
     @staticmethod
     def contiguous(num_experts: int, num_devices: int) -> "Placement":

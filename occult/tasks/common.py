@@ -55,14 +55,24 @@ def timing_rows(rec: Recorder, sample: int) -> list:
     return rows
 
 
+# the unit of a dispatcher's counter, by a word in its name (default: pairs)
+COUNTER_UNITS = {"rows": "rows", "experts": "experts", "degree": "chunks"}
+
+
+def counter_unit(name: str) -> str:
+    return next((unit for word, unit in COUNTER_UNITS.items() if word in name.split("_")), "pairs")
+
+
 def comm_rows(rec: Recorder) -> list:
-    """Rows and bytes this rank sent to each peer, per layer, phase and pass; and the
-    dispatchers' counters (dropped pairs, padding rows), summed per layer."""
+    """Rows and bytes this rank sent to each peer, per layer, phase and pass; the number of
+    collectives of each kind per layer, phase and pass; and the dispatchers' counters
+    (dropped pairs, padding rows), summed per layer."""
     counters: dict = {}
     for layer, name, value in rec.counters:
         counters[(layer, name)] = counters.get((layer, name), 0.0) + value
-    out = [row(name, value, "rows" if "rows" in name else "pairs", layer=layer, rank=rec.rank)
+    out = [row(name, value, counter_unit(name), layer=layer, rank=rec.rank)
            for (layer, name), value in sorted(counters.items())]
+    calls: dict = {}
     for ev in rec.comm:
         for dst, n in enumerate(ev.rows_P):
             common = dict(layer=ev.layer, rank=rec.rank, phase=ev.phase, direction=ev.direction,
@@ -71,6 +81,11 @@ def comm_rows(rec: Recorder) -> list:
             out.append(row("bytes", n * ev.row_bytes, "bytes", **common))
             if ev.meta_row_bytes:      # of those bytes, the metadata riding with the rows
                 out.append(row("meta_bytes", n * ev.meta_row_bytes, "bytes", **common))
+        key = (ev.layer, ev.phase, ev.direction, ev.collective)
+        calls[key] = calls.get(key, 0) + 1
+    # how many collectives of each kind (all_to_all_calls, broadcast_calls, ...) ran
+    out += [row(f"{kind}_calls", n, "calls", layer=layer, rank=rec.rank, phase=phase, direction=direction)
+            for (layer, phase, direction, kind), n in sorted(calls.items())]
     return out
 
 

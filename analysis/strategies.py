@@ -1,0 +1,249 @@
+"""The field's exact strategies beside Occult (``python run.py experiment=strategies``).
+
+One table and one figure from the sweep's result tables:
+
+* **bytes** each system moved per iteration (forward pass, every collective, rows to
+  other ranks only), at P = 4 here, and at P = 16 split into intra- and inter-node by the
+  run's node layout (``devices_per_node``: 2 nodes of 8); inter-node messages per rank and
+  layer (the (source, destination) pairs that carried rows across nodes);
+* **collectives per MoE layer** (forward), from the ``<kind>_calls`` rows;
+* **exposed communication** per MoE layer, measured here: the MoE layer's time minus its
+  expert compute (the time no computation hid);
+* **time ratios to naive EP**: measured here (P = 4, the task's latency), and projected by
+  the cost model (:mod:`analysis.costmodel`, labelled projected) for the MoE layers of the
+  real model on 4 x RTX A6000 (from the P = 4 runs), 8 x H100 (P = 8) and 2 nodes of
+  8 x H100 (P = 16).
+
+The figure shows, per model and task, every system's ratio to naive on each machine, the
+best one marked: which strategy wins where. A sweep's other rows (the placement study that
+made occult_placed's artifact, the pipelining study's layer runs) are read where they say
+something: :func:`pipelining` tabulates the layer runs of ``system=pipelined``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from . import costmodel as cm
+from .figures import Section, _no_data
+from .plots import plt, save, style, system_order
+from .summary import RUN_KEYS, ratio_to, task_latency
+
+# where each machine's projection comes from: (column, profile, world size of its runs)
+MACHINES = [("4 x A6000", "sim_a6000x4", 4), ("8 x H100", "sim_h100x8", 8), ("2 x 8 H100", "sim_h100x2node", 16)]
+MEASURED_WORLD = 4
+
+
+def arm_of(run: pd.DataFrame) -> str:
+    """What the report calls a run's system: its experiment label, else its system name."""
+    label = str(run["label"].iloc[0]) if "label" in run else ""
+    return label or str(run.system.iloc[0])
+
+
+def node_traffic(run: pd.DataFrame, direction: str = "forward") -> dict:
+    """Rows a run sent to other ranks in one pass, split by the run's node layout: MB within
+    and across nodes per iteration (all ranks), and messages (pairs with rows) per rank and
+    MoE layer across nodes."""
+    P = int(run.world_size.iloc[0])
+    G = int(run.devices_per_node.iloc[0]) or P
+    b = run[(run.metric == "bytes") & (run["pass"] == direction) & (run.src_rank != run.dst_rank)
+            & (run.src_rank >= 0)]
+    cross = (b.src_rank // G) != (b.dst_rank // G)
+    layers = max(b.layer.nunique(), 1)
+    return {"intra_MB": b[~cross].value.sum() / 1e6, "inter_MB": b[cross].value.sum() / 1e6,
+            "inter_messages": int(((b.value > 0) & cross).sum()) / (P * layers),
+            "remote_MB": b.value.sum() / 1e6}
+
+
+def collectives_per_layer(run: pd.DataFrame, direction: str = "forward") -> float:
+    """Collectives one rank runs per MoE layer in one pass (rank 0's ``<kind>_calls`` rows)."""
+    c = run[run.metric.str.endswith("_calls") & (run.unit == "calls") & (run["pass"] == direction)
+            & (run["rank"] == 0)]
+    return c.value.sum() / c.layer.nunique() if not c.empty else float("nan")
+
+
+def exposed_ms(run: pd.DataFrame) -> float:
+    """Measured MoE time not spent in expert compute, per MoE layer (forward): per rank and
+    sample, the layers' ``dispatch``, ``combine`` and ``exposed_comm`` spans (a system that
+    times its layer as one ``moe`` span: that minus its ``experts``), the slowest rank per
+    sample, the median over samples, divided by the MoE layers."""
+    t = run[(run.metric == "time") & (run["pass"] == "forward") & (run["sample"] >= 0) & (run.layer >= 0)]
+    if t.empty:
+        return float("nan")
+    sums = t.groupby(["sample", "rank", "phase"]).value.sum().unstack("phase", fill_value=0.0)
+    column = lambda phase: sums[phase] if phase in sums else 0.0
+    if "moe" in sums:
+        exposed = column("moe") - column("experts")
+    else:
+        exposed = column("dispatch") + column("combine") + column("exposed_comm")
+    return float(exposed.groupby("sample").max().median()) / t.layer.nunique()
+
+
+def run_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per whole-model run: its arm, traffic, collectives and exposed communication."""
+    out = []
+    for run_dir, run in df[df.task.isin(["prefill", "train", "decode"])].groupby("run_dir"):
+        out.append({**{k: run[k].iloc[0] for k in RUN_KEYS + ["system"]}, "run_dir": run_dir, "arm": arm_of(run),
+                    **node_traffic(run), "collectives_per_layer": collectives_per_layer(run),
+                    "exposed_comm_ms_per_layer": exposed_ms(run)})
+    return pd.DataFrame(out)
+
+
+def _ratio_by_arm(table: pd.DataFrame, column: str) -> pd.Series:
+    """``column`` over naive EP's in the same sweep point keys (the arm ``naive``)."""
+    return ratio_to(table.assign(system=table.arm), column)
+
+
+def projections(df: pd.DataFrame) -> pd.DataFrame:
+    """Projected MoE time per run on each machine, and its ratio to naive: one row per
+    (run, machine)."""
+    frames = []
+    for machine, profile_name, P in MACHINES:
+        runs = df[df.world_size == P]
+        tot = cm.projected_totals(cm.project_runs(runs, cm.load_profile(profile_name), target="real"))
+        if tot.empty:
+            continue
+        arms = {d: arm_of(r) for d, r in runs.groupby("run_dir")}
+        tot["arm"] = tot.run_dir.map(arms)
+        tot["ratio"] = _ratio_by_arm(tot, "moe_ms")
+        tot["machine"] = machine
+        frames.append(tot)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def strategies_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The report's table: one row per (model, task, arm)."""
+    runs = run_summary(df)
+    lat = task_latency(df)
+    if runs.empty or lat.empty:
+        return pd.DataFrame()
+    lat["arm"] = lat.run_dir.map(dict(zip(runs.run_dir, runs.arm)))
+    here = lat[lat.world_size == MEASURED_WORLD].copy()
+    here["measured_vs_naive"] = _ratio_by_arm(here, "latency_ms")
+    keys = ["model", "task", "arm"]
+    table = here[keys + ["system", "latency_ms", "measured_vs_naive"]].set_index(keys)
+    p4 = runs[runs.world_size == MEASURED_WORLD].set_index(keys)
+    table["remote_MB_P4"] = p4.remote_MB
+    table["collectives_per_layer"] = p4.collectives_per_layer
+    table["exposed_comm_ms_per_layer"] = p4.exposed_comm_ms_per_layer
+    p16 = runs[runs.world_size == 16].set_index(keys)
+    table["intra_MB_P16"], table["inter_MB_P16"] = p16.intra_MB, p16.inter_MB
+    table["inter_messages_P16"] = p16.inter_messages
+    proj = projections(df)
+    for machine, _, _ in MACHINES:
+        sel = proj[proj.machine == machine].set_index(keys) if not proj.empty else pd.DataFrame()
+        table[f"projected_vs_naive {machine}"] = sel.ratio if not sel.empty else np.nan
+    return table.reset_index().sort_values(["model", "task", "measured_vs_naive"])
+
+
+def winners_figure(table: pd.DataFrame, out_dir: Path) -> list:
+    """Per (model, task): every arm's time ratio to naive on each machine (measured here,
+    projected elsewhere), the best of each machine boxed."""
+    cols = ["measured_vs_naive"] + [f"projected_vs_naive {m}" for m, _, _ in MACHINES]
+    names = [f"here, P = {MEASURED_WORLD}\n(measured)"] + [f"{m}\n(projected)" for m, _, _ in MACHINES]
+    panels = list(table.groupby(["model", "task"]))
+    style()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.3 * len(panels), 0.34 * table.arm.nunique() + 2.2),
+                             squeeze=False)
+    for ax, ((model, task), t) in zip(axes[0], panels):
+        t = t.set_index("arm").loc[system_order(t.arm)]
+        values = t[cols].to_numpy(dtype=float)
+        im = ax.imshow(np.log2(values), cmap="RdYlGn_r", vmin=-1.5, vmax=1.5, aspect="auto")
+        for i in range(values.shape[0]):
+            for j in range(values.shape[1]):
+                if np.isfinite(values[i, j]):
+                    ax.text(j, i, f"{values[i, j]:.2f}", ha="center", va="center", fontsize=7)
+        for j in range(values.shape[1]):
+            column = values[:, j]
+            if np.isfinite(column).any():
+                i = int(np.nanargmin(column))
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2, ec="black"))
+        ax.set_xticks(range(len(names)), names, fontsize=7)
+        ax.set_yticks(range(len(t)), t.index, fontsize=8)
+        ax.set_title(f"{model}, {task}", fontsize=9)
+        ax.grid(False)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="time / naive EP (log2 colour; boxed: best)")
+    fig.suptitle("Which strategy wins where: MoE time relative to naive EP", y=1.02)
+    return save(fig, Path(out_dir) / "strategies_winners")
+
+
+def strategies(df: pd.DataFrame, out_dir: Path) -> list[Section]:
+    """The strategies report: the table, the winners figure, the pipelining study."""
+    title = "The field's exact strategies beside Occult"
+    table = strategies_table(df)
+    if table.empty:
+        return _no_data(title, f"whole-model runs at P = {MEASURED_WORLD}")
+    figs = winners_figure(table, out_dir)
+    text = [f"One row per model, task and system. Measured here (P = {MEASURED_WORLD} ranks on this "
+            "machine's cores): the task's latency (prefill: time to first token; train: step time; slowest "
+            "rank, median over samples) over naive EP's in the same sweep; remote MB: rows every rank sent "
+            "to the others in the forward pass of one iteration, every collective (tokens, weights, "
+            "metadata, counts); collectives per layer: what one rank runs per MoE layer forward; exposed "
+            "communication: the MoE layer's time minus its expert compute, per layer. At P = 16 (2 nodes "
+            "of 8: cluster.devices_per_node=8; bytes only, one iteration) the same forward bytes split into "
+            "intra- and inter-node, and the messages per rank and layer that crossed nodes. Projected "
+            "(cost model, labelled projected): the MoE layers of the real model (hidden rows and expert "
+            "weights re-sized to its D and F in bfloat16), from the runs at each machine's world size; "
+            "attention and dense layers are the same for every system and not included, so whole-model "
+            "ratios lie between 1 and these. Rule-driven systems (shadow, pipelined) decide with the "
+            "profile of the machine they are projected onto (system.profile in the experiment)."]
+    missing = [m for m, _, _ in MACHINES if table[f"projected_vs_naive {m}"].isna().all()]
+    if missing:
+        text.append("Not projected (no runs at that world size in this sweep): " + ", ".join(missing) + ".")
+    sections = [Section(title, text, [("strategies", table)], figs)]
+    return sections + two_nodes(df) + pipelining(df, out_dir)
+
+
+def two_nodes(df: pd.DataFrame) -> list[Section]:
+    """Every arm at P = 16 as 2 nodes of 8: bytes within and across nodes, messages across
+    nodes, collectives, and the projected MoE time on 2 x 8 H100 over naive's."""
+    runs = run_summary(df)
+    runs = runs[(runs.world_size == 16) & (runs.devices_per_node == 8)]
+    if runs.empty:
+        return []
+    proj = projections(df[df.run_dir.isin(runs.run_dir)])
+    table = runs[["model", "task", "arm", "intra_MB", "inter_MB", "inter_messages", "collectives_per_layer"]].copy()
+    base = runs[runs.arm == "naive"].set_index(["model", "task"]).inter_MB
+    table["inter_MB_vs_naive"] = [row.inter_MB / base.get((row.model, row.task), np.nan) for row in runs.itertuples()]
+    if not proj.empty:
+        table["projected_vs_naive 2 x 8 H100"] = runs.run_dir.map(dict(zip(proj.run_dir, proj.ratio))).to_numpy()
+    text = ["P = 16 ranks as 2 nodes of 8 (cluster.devices_per_node=8), one iteration, forward pass: MB per "
+            "iteration (all ranks) to ranks of the same node and of the other node, the (source, destination) "
+            "pairs per rank and MoE layer that carried rows across nodes, collectives per layer, and the "
+            "projected MoE time on 2 x 8 H100 over naive EP's. Hierarchical's arms are its dedup modes."]
+    return [Section("Two nodes of eight: intra- and inter-node traffic", text,
+                    [("two_nodes", table.sort_values(["model", "task", "inter_MB"]))], [])]
+
+
+def pipelining(df: pd.DataFrame, out_dir: Path) -> list[Section]:
+    """The pipelining study: task=layer runs of system=pipelined (and naive beside them) at
+    several degrees: layer time, expert time and exposed communication measured here, and the
+    same runs projected on the machines of matching world size."""
+    layer = df[(df.task == "layer") & df.system.isin(["pipelined", "naive"])]
+    if layer.empty or not (layer.system == "pipelined").any():
+        return []
+    rows = []
+    for run_dir, run in layer.groupby("run_dir"):
+        t = run[(run.metric == "time") & (run["sample"] >= 0) & (run["pass"] == "forward")]
+        slow = lambda phase: t[t.phase == phase].groupby(["sample", "rank"]).value.sum().groupby("sample").max().median()
+        degree = int(cm.pipeline_degree(run, 0))
+        rows.append({"arm": arm_of(run), "system": run.system.iloc[0], "world_size": int(run.world_size.iloc[0]),
+                     "degree": degree, "layer_fwd_ms": slow("layer"), "experts_ms": slow("experts"),
+                     "exposed_comm_ms": exposed_ms(run), "run_dir": run_dir})
+    table = pd.DataFrame(rows)
+    for machine, profile_name, P in MACHINES:
+        runs = layer[layer.world_size == P]
+        tot = cm.projected_totals(cm.project_runs(runs, cm.load_profile(profile_name),
+                                                  cm.target_model("olmoe_layer")))
+        if not tot.empty:
+            table[f"projected ms {machine}"] = table.run_dir.map(dict(zip(tot.run_dir, tot.moe_ms)))
+    text = ["task=layer at the comm-heavy shape of conf/experiment/strategies.yaml (grid `pipe`), forward "
+            "only: the layer's time, its expert compute and the rest (exposed communication), measured "
+            "here, slowest rank, median over samples; projected: the same runs' bytes and FLOPs at "
+            "olmoe_layer's width with the pipeline model (chunks overlap; the cost model's `overlap` "
+            "component). Here the 2 cores run the ranks' experts and gloo's transfers alike, so chunks "
+            "add collectives and latency and can hide little."]
+    return [Section("Pipelining: degree against exposed communication", text,
+                    [("pipelining", table.drop(columns=["run_dir"]).sort_values(["system", "degree"]))], [])]

@@ -1,0 +1,183 @@
+"""system=hierarchical: a two-stage exchange, between nodes then within them.
+
+HetuMoE's hierarchical all-to-all and DeepEP's internode layout: ranks are grouped into
+nodes of G ranks (``cluster.devices_per_node``; rank ``n G + g`` is local rank g of node n).
+A rank talks across nodes only to its *rail peers*, the ranks with its own local index in
+the other nodes, so every node pair is joined by G messages (one per rail) instead of
+G x G, each carrying everything one rank sends to that node:
+
+  dispatch  ``dispatch_inter``: each unit goes to the rail peer in its destination node
+            (rank ``m G + g`` for node m); ``dispatch_intra``: that peer forwards it inside
+            its node to the devices that hold the unit's experts; the experts run there
+  combine   each expert output is weighted by its gate weight on the expert's device and
+            summed there per received row; ``combine_intra`` returns the rows to the rail
+            peer, which sums the rows of one unit; ``combine_inter`` returns them home,
+            where each token's rows are summed
+
+``dedup`` decides what a unit is (what each stage sends once):
+
+* ``none``: one row per (token, expert) on both stages (HetuMoE's hierarchical all-to-all:
+  the same rows as naive EP, in fewer, larger inter-node messages);
+* ``node``: one row per (token, destination node) across nodes, then one per (token,
+  expert) inside the destination node; the rail peer sums the expert outputs of a token
+  before it returns one row home;
+* ``device``: one row per (token, node) across nodes and one per (token, device) inside
+  the node (DeepEP's internode dispatch: over RDMA once per node, then forwarded over
+  NVLink to each GPU that needs it); the experts' outputs of a token are summed on each
+  device and on the rail peer.
+
+Beside each row travels its metadata (``*_meta``: the gate weights and top-k ids of the
+row's experts in the destination, others masked, float64 [R, 2K]: exact for the ids,
+differentiable for the weights), and each stage is preceded by its counts exchange
+(``counts_inter`` with the rail peers, ``counts_intra`` within the node). A stage that cannot move anything is not run: with
+one node there is no inter-node stage, with one rank per node no intra-node one.
+
+Inter-node bytes and messages are what this scheme trades for: fewer, larger messages
+between nodes (and with dedup, fewer bytes there) at the price of a second hop inside
+the node and a second latency per direction. On one node (``devices_per_node`` 0 or P)
+it is naive EP (``none``) or an Occult-like per-device exchange (``device``).
+
+Exact top-k MoE: every (token, expert) pair is computed once, weighted once, and the
+partial sums are regroupings of the same terms.
+
+Shapes: T tokens, K top-k, D hidden, P ranks, e local experts, U units a stage starts
+from (its rows), S rows a stage sends, Q (row, local expert) pairs on the expert's device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from occult.ep import Exchange, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
+from occult.ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
+
+DEDUP = ("none", "node", "device")
+
+
+@dataclass(frozen=True)
+class Units:
+    """Rows at one stage: hidden states and, per row, the gate weights (float64) and top-k ids
+    of the experts it carries (-1: not carried by this row)."""
+
+    x_UD: torch.Tensor
+    w_UK: torch.Tensor
+    ids_UK: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One stage of the exchange: the unit each sent row came from, and its splits."""
+
+    unit_S: torch.Tensor
+    send_P: list
+    recv_P: list
+    num_units: int         # rows the stage started from (where combine sums back into)
+    name: str              # "inter" or "intra"
+
+
+@dataclass(frozen=True)
+class HierarchicalHandle:
+    legs: tuple            # the stages that ran, in dispatch order
+    row_Q: torch.Tensor    # final-stage row of each expert pair (grouped by local expert)
+    weight_Q: torch.Tensor
+    num_rows: int          # final-stage rows on the expert's device
+    layer: int
+    recorder: Optional[Recorder]
+
+
+def split_units(ids_UK: torch.Tensor, dest_UK: torch.Tensor, per_pair: bool, world_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows one stage sends: one per (unit, expert) (``per_pair``) or one per (unit,
+    destination), ordered by destination. Returns ``unit_S`` (the unit of each row), ``keep_SK``
+    (the unit's expert slots the row carries) and ``send_P`` (rows per destination)."""
+    U, K = ids_UK.shape
+    u_V, k_V = torch.nonzero(ids_UK >= 0, as_tuple=True)
+    d_V = dest_UK[u_V, k_V]
+    span = U * K if per_pair else U
+    key_V = d_V * span + (u_V * K + k_V if per_pair else u_V)
+    keys_S, s_V = torch.unique(key_V, sorted=True, return_inverse=True)
+    unit_S = (keys_S % span) // K if per_pair else keys_S % span
+    keep_SK = torch.zeros(keys_S.numel(), K, dtype=torch.bool, device=ids_UK.device)
+    keep_SK[s_V, k_V] = True
+    send_P = torch.bincount(keys_S // max(span, 1), minlength=world_size)
+    return unit_S, keep_SK, send_P
+
+
+class HierarchicalDispatcher(SplitDispatcher):
+    """``dedup``: ``none`` | ``node`` | ``device`` (what each stage sends once, see the module
+    docstring); the node layout comes from the group (``cluster.devices_per_node``)."""
+
+    impl = "harness"
+
+    @dataclass
+    class Config(SystemConfig):
+        dedup: str = "device"    # none | node | device
+
+        def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+            super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+            if self.dedup not in DEDUP:
+                raise ValueError(f"system.dedup={self.dedup!r}: allowed values are {list(DEDUP)}")
+
+    def _destinations(self, ids_UK: torch.Tensor, stage: str) -> torch.Tensor:
+        """Each (unit, expert)'s destination rank at ``stage``: the rail peer in the expert's
+        node (``inter``) or the expert's device (``intra``); -1 where no expert is carried."""
+        ep, pl = self.ep, self.placement
+        device_UK = pl.device_E[ids_UK.clamp(min=0)]
+        if stage == "inter":
+            device_UK = device_UK // ep.per_node * ep.per_node + ep.rank % ep.per_node
+        return torch.where(ids_UK >= 0, device_UK, torch.full_like(device_UK, -1))
+
+    def _peers(self, stage: str) -> list:
+        """The ranks this rank talks to at ``stage``: its rail peers (``inter``) or its node."""
+        ep, G = self.ep, self.ep.per_node
+        same = (lambda j: j % G == ep.rank % G) if stage == "inter" else (lambda j: j // G == ep.rank // G)
+        return [same(j) for j in range(ep.world_size)]
+
+    def _stage(self, units: Units, stage: str, layer: int, rec) -> tuple[Units, Leg]:
+        """Sends ``units`` one stage on (``inter`` or ``intra``); returns the received units."""
+        K = units.ids_UK.shape[1]
+        per_pair = self.config.dedup == "none" or (stage == "intra" and self.config.dedup == "node")
+        unit_S, keep_SK, send_P = split_units(units.ids_UK, self._destinations(units.ids_UK, stage), per_pair,
+                                              self.ep.world_size)
+        recv_P = exchange_counts(send_P.view(-1, 1), self.ep, Exchange(layer, f"counts_{stage}", rec),
+                                 self._peers(stage))
+        # device-to-host sync: split sizes go to the collectives as Python ints
+        send, recv = send_P.tolist(), recv_P.flatten().tolist()
+        ids_SK = torch.where(keep_SK, units.ids_UK[unit_S], torch.full_like(keep_SK, -1, dtype=torch.long))
+        meta_SX = torch.cat([units.w_UK[unit_S] * keep_SK, ids_SK.to(torch.float64)], dim=1)
+        x_RD = all_to_all_rows(gather_rows(units.x_UD, unit_S), send, recv, self.ep,
+                               Exchange(layer, f"dispatch_{stage}", rec))
+        meta_RX = all_to_all_rows(meta_SX, send, recv, self.ep, Exchange(layer, f"dispatch_{stage}_meta", rec))
+        got = Units(x_RD, meta_RX[:, :K], meta_RX[:, K:].detach().round().long())
+        return got, Leg(unit_S, send, recv, units.x_UD.shape[0], stage)
+
+    def _stages(self) -> list:
+        """The stages that can move anything in this node layout."""
+        ep = self.ep
+        return [s for s, useful in (("inter", ep.num_nodes > 1), ("intra", ep.per_node > 1)) if useful]
+
+    def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
+        units = Units(x_TD, topk_weights_TK.to(torch.float64), topk_ids_TK)
+        legs = []
+        for stage in self._stages():
+            units, leg = self._stage(units, stage, layer, recorder)
+            legs.append(leg)
+        pl = self.placement
+        row_Q, k_Q = torch.nonzero(units.ids_UK >= 0, as_tuple=True)
+        slot_Q = pl.slot_E[units.ids_UK[row_Q, k_Q]]
+        order_Q = torch.argsort(slot_Q, stable=True)
+        row_Q, k_Q = row_Q[order_Q], k_Q[order_Q]
+        counts_e = torch.bincount(slot_Q, minlength=pl.num_local)
+        weight_Q = units.w_UK[row_Q, k_Q].to(x_TD.dtype)
+        handle = HierarchicalHandle(tuple(legs), row_Q, weight_Q, units.x_UD.shape[0], layer, recorder)
+        return gather_rows(units.x_UD, row_Q), counts_e, handle
+
+    def combine(self, y_QD, handle: HierarchicalHandle):
+        rec, layer = handle.recorder, handle.layer
+        y_UD = weighted_scatter_add(handle.num_rows, handle.row_Q, y_QD, handle.weight_Q)
+        for leg in reversed(handle.legs):
+            back_SD = all_to_all_rows(y_UD, leg.recv_P, leg.send_P, self.ep, Exchange(layer, f"combine_{leg.name}", rec))
+            y_UD = scatter_add_rows(leg.num_units, leg.unit_S, back_SD)
+        return y_UD

@@ -1,0 +1,225 @@
+"""system=pipelined: a layer's dispatch -> experts -> combine cut into chunks that overlap.
+
+PipeMoE's adaptive pipelining, FasterMoE's smart schedule and EPS-MoE's chunked prefill:
+this rank's tokens are split into r chunks (``degree``); chunk i's experts run while the
+other chunks' all-to-alls are in flight (asynchronous collectives), forward and backward.
+
+  plan      ``counts``: one exchange of the per-(chunk, destination, local expert) pair
+            counts [P, r e]; with ``degree=auto`` first ``pipeline_plan``, an all-gather of
+            every rank's per-destination row counts, so that every rank picks the same r
+  schedule  dispatch(0); then for each chunk i: wait for dispatch(i), start dispatch(i+1),
+            run chunk i's experts, start combine(i); at the end wait for the combines. Every
+            rank issues the collectives in the same order (d0 d1 c0 d2 c1 ... ); backward runs
+            the transposed schedule (each chunk's gradients come back while the previous
+            chunk's expert backward runs, and its input gradients leave while the next runs)
+  combine   gate-weighted sum at home, as naive EP (one row per (token, expert))
+
+``degree=auto`` picks r in (1, 2, 4, 8) with PipeMoE's alpha-beta rule
+(:func:`occult.ep.links.pipeline_seconds`): a chunk's all-to-all costs ``alpha + beta x
+bytes / r`` (latency and bandwidth of the profile named by ``profile``, the busiest rank's
+bytes), its experts ``rows x 6 D F / (r x FLOPs)`` plus the profile's per-expert call
+overhead, and r minimises ``d + e + c + (r - 1) max(d + c, e)``. More chunks hide more of
+the exchange behind compute but pay the latency and the per-expert overhead r times, so
+the rule picks r > 1 only where compute and communication are of the same size.
+
+Reported: a span ``exposed_comm`` per layer (the chunk loop's time minus the expert spans
+in it: communication that compute did not hide), beside ``dispatch``, ``experts`` and
+``combine``; a counter ``pipeline_degree``. The collectives' ``a2a_time`` is the time from
+start to the end of the wait (in flight, overlapped with compute). On this machine's 2
+shared cores there is little to overlap with: gloo moves the bytes with the same cores
+that run the experts, so the measured overlap is an upper bound of nothing much (see the
+README); the cost model projects it onto GPU profiles with the same pipeline model.
+
+Exact top-k MoE: the chunks are a partition of the (token, expert) pairs.
+
+Shapes: T tokens, K top-k, D hidden, F expert FFN, P ranks, e local experts, r chunks,
+R rows sent (all chunks, chunk-major then destination, local expert), Q rows received by
+one chunk, grouped by local expert.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from occult.ep import Dispatcher, Exchange, Recorder, SystemConfig, exchange_counts
+from occult.ep.accounting import span
+from occult.ep.comm import all_gather_rows, start_all_to_all
+from occult.ep.experts import grouped_swiglu
+from occult.ep.links import Link, link_at, pipeline_seconds
+from occult.ep.measure import clock
+from occult.ep.permute import expert_major_order, gather_rows, inverse_permutation, weighted_scatter_add
+
+DEGREES = ("1", "2", "4", "auto")
+AUTO_DEGREES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """The splits of every chunk (host lists), its expert-major order on the receiver and its
+    per-expert counts."""
+
+    send_P: tuple          # per chunk: rows to each rank
+    recv_P: tuple          # per chunk: rows from each rank
+    perm_Q: tuple          # per chunk: received (source-major) rows -> expert-major
+    counts_e: tuple        # per chunk: rows per local expert
+    ep: object
+    layer: int
+    recorder: Optional[Recorder]
+    training: bool
+
+    @property
+    def degree(self) -> int:
+        return len(self.send_P)
+
+
+def auto_degree(rows_PP: torch.Tensor, link: Link, row_bytes: int, hidden: int, ffn: int, local_experts: int) -> int:
+    """PipeMoE's alpha-beta choice of the number of chunks for one layer, from every rank's
+    rows to every rank ``rows_PP`` (the same on every rank, so every rank picks the same)."""
+    remote_PP = rows_PP.double() * (1 - torch.eye(rows_PP.shape[0], dtype=torch.float64, device=rows_PP.device))
+    busiest = float(torch.maximum(remote_PP.sum(0), remote_PP.sum(1)).max()) * row_bytes
+    expert_rows = float(rows_PP.sum(0).max())
+    best, best_r = float("inf"), 1
+    for r in AUTO_DEGREES:
+        a2a = link.latency_s + busiest / r / link.slowest_Bps
+        experts = expert_rows * 6.0 * hidden * ffn / r / link.flops + local_experts * link.expert_call_s
+        t = pipeline_seconds(a2a, experts, a2a, r)
+        if t < best:
+            best, best_r = t, r
+    return best_r
+
+
+class _PipelinedExperts(torch.autograd.Function):
+    """Rows in send order (all chunks) -> the experts' outputs back in send order, each chunk's
+    exchange overlapping the other chunks' expert compute, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x_RD, w_gate, w_up, w_down, plan: ChunkPlan):
+        ctx.plan = plan
+        weights = [w.detach().requires_grad_(plan.training) for w in (w_gate, w_up, w_down)]
+        ctx.leaves, ctx.outputs, ctx.weights = [], [], weights
+        rec, layer, r = plan.recorder, plan.layer, plan.degree
+        chunks = torch.split(x_RD.detach(), [sum(s) for s in plan.send_P])
+        start = lambda c, rows: start_all_to_all(rows, plan.send_P[c], plan.recv_P[c], plan.ep,
+                                                 Exchange(layer, "dispatch", rec))
+        t0, computing = clock(), 0.0
+        pending, back = [start(0, chunks[0])], []
+        for c in range(r):
+            got_RD = pending[c].wait()
+            if c + 1 < r:
+                pending.append(start(c + 1, chunks[c + 1]))
+            t1 = clock()
+            y_QD = _chunk_experts(ctx, got_RD, weights, plan, c)
+            computing += clock() - t1
+            back.append(start_all_to_all(gather_rows(y_QD, inverse_permutation(plan.perm_Q[c])), plan.recv_P[c],
+                                         plan.send_P[c], plan.ep, Exchange(layer, "combine", rec)))
+        out_RD = torch.cat([p.wait() for p in back])
+        if rec is not None:
+            rec.log_span(layer, "experts", "forward", computing)
+            rec.log_span(layer, "exposed_comm", "forward", clock() - t0 - computing)
+        return out_RD
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        plan = ctx.plan
+        rec, layer, r = plan.recorder, plan.layer, plan.degree
+        grads = torch.split(grad_RD.contiguous(), [sum(s) for s in plan.send_P])
+        start = lambda c, rows: start_all_to_all(rows, plan.send_P[c], plan.recv_P[c], plan.ep,
+                                                 Exchange(layer, "combine", rec), "backward")
+        pending, back = [start(0, grads[0])], []
+        weight_grads = [torch.zeros_like(w) for w in ctx.weights]
+        for c in range(r):
+            g_RD = pending[c].wait()
+            if c + 1 < r:
+                pending.append(start(c + 1, grads[c + 1]))
+            g_x, *g_w = torch.autograd.grad(ctx.outputs[c], [ctx.leaves[c], *ctx.weights],
+                                             gather_rows(g_RD, plan.perm_Q[c]), allow_unused=True)
+            for acc, g in zip(weight_grads, g_w):
+                if g is not None:
+                    acc += g
+            back.append(start_all_to_all(g_x, plan.recv_P[c], plan.send_P[c], plan.ep,
+                                         Exchange(layer, "dispatch", rec), "backward"))
+        ctx.outputs = ctx.leaves = None
+        return (torch.cat([p.wait() for p in back]), *weight_grads, None)
+
+
+def _chunk_experts(ctx, got_RD: torch.Tensor, weights: list, plan: ChunkPlan, c: int) -> torch.Tensor:
+    """Chunk c's experts on its received rows: [Q, D] in expert-major order (its graph kept for
+    the backward when training)."""
+    with torch.enable_grad() if plan.training else torch.no_grad():
+        leaf_RD = got_RD.requires_grad_(plan.training)
+        y_QD = grouped_swiglu(gather_rows(leaf_RD, plan.perm_Q[c]), plan.counts_e[c], *weights)
+    if plan.training:
+        ctx.leaves.append(leaf_RD)
+        ctx.outputs.append(y_QD)
+    return y_QD.detach()
+
+
+class PipelinedDispatcher(Dispatcher):
+    """``degree``: chunks per layer (``1``, ``2``, ``4`` or ``auto``); ``profile``: the machine
+    whose links and throughput ``auto``'s rule weighs."""
+
+    impl = "harness"
+
+    @dataclass
+    class Config(SystemConfig):
+        degree: str = "auto"             # 1 | 2 | 4 | auto (PipeMoE's alpha-beta rule)
+        # the machine the auto rule assumes (a conf/profile name or YAML): the paper's
+        # 4 x RTX A6000 by default; sim_cpu_loopback is this machine (P = 2, 4, 8)
+        profile: str = "sim_a6000x4"
+
+        def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+            super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+            if str(self.degree) not in DEGREES:
+                raise ValueError(f"system.degree={self.degree!r}: allowed values are {list(DEGREES)}")
+            if self.degree == "auto":
+                try:
+                    link_at(self.profile, world_size)
+                except (FileNotFoundError, ValueError) as exc:
+                    raise ValueError(f"system.profile={self.profile!r}: {exc}") from exc
+
+    def _degree(self, key_R: torch.Tensor, x_TD, experts, layer: int, rec) -> int:
+        """The number of chunks: the configured one, or PipeMoE's choice from every rank's
+        per-destination rows (an all-gather, so every rank decides alike)."""
+        if self.config.degree != "auto":
+            return int(self.config.degree)
+        ep, e = self.ep, self.placement.num_local
+        rows_1P = torch.bincount(key_R // e, minlength=ep.world_size).view(1, -1)
+        rows_PP = all_gather_rows(rows_1P, [1] * ep.world_size, ep, Exchange(layer, "pipeline_plan", rec))
+        D, F = experts.w_gate.shape[1:]
+        return auto_degree(rows_PP, link_at(self.config.profile, ep.world_size), D * x_TD.element_size(), D, F, e)
+
+    def _plan(self, x_TD, topk_ids_TK, experts, training: bool, layer: int, rec) -> tuple[ChunkPlan, torch.Tensor]:
+        """Chunks of this rank's tokens, pairs ordered by (chunk, destination, local expert);
+        one counts exchange for all chunks. Returns the plan and ``order_R`` (into the
+        flattened [T*K] pairs)."""
+        ep, pl = self.ep, self.placement
+        T, K = topk_ids_TK.shape
+        P, e = ep.world_size, pl.num_local
+        dest_R = (pl.device_E[topk_ids_TK] * e + pl.slot_E[topk_ids_TK]).flatten()
+        r = self._degree(dest_R, x_TD, experts, layer, rec)
+        chunk_R = (torch.arange(T, device=x_TD.device) * r // max(T, 1)).repeat_interleave(K)
+        key_R = chunk_R * (P * e) + dest_R
+        order_R = torch.argsort(key_R, stable=True)
+        send_rPe = torch.bincount(key_R, minlength=r * P * e).view(r, P, e)
+        recv_Pre = exchange_counts(send_rPe.permute(1, 0, 2).reshape(P, r * e), ep, Exchange(layer, "counts", rec))
+        recv_rPe = recv_Pre.view(P, r, e).permute(1, 0, 2)
+        # device-to-host sync: split sizes go to the collectives as Python ints
+        plan = ChunkPlan(tuple(s.sum(1).tolist() for s in send_rPe), tuple(s.sum(1).tolist() for s in recv_rPe),
+                         tuple(expert_major_order(s.contiguous()) for s in recv_rPe),
+                         tuple(s.sum(0) for s in recv_rPe), ep, layer, rec, training)
+        return plan, order_R
+
+    def forward_moe(self, x_TD, topk_ids_TK, topk_weights_TK, experts, *, layer=0, recorder=None):
+        rec, K = recorder, topk_ids_TK.shape[1]
+        training = torch.is_grad_enabled() and (x_TD.requires_grad or experts.w_gate.requires_grad)
+        with span(rec, layer, "dispatch"):
+            plan, order_R = self._plan(x_TD, topk_ids_TK, experts, training, layer, rec)
+            token_R = order_R // K
+            x_RD = gather_rows(x_TD, token_R)
+        if rec is not None:
+            rec.log_counter(layer, "pipeline_degree", plan.degree)
+        y_RD = _PipelinedExperts.apply(x_RD, experts.w_gate, experts.w_up, experts.w_down, plan)
+        with span(rec, layer, "combine"):
+            return weighted_scatter_add(x_TD.shape[0], token_R, y_RD, topk_weights_TK.flatten()[order_R])
