@@ -347,9 +347,9 @@ def test_fit_helpers():
 # sim clusters are refused as runs; the grids sweeper expands unions
 # ---------------------------------------------------------------------------
 
-def _cfg(*overrides):
+def _cfg(*overrides, hydra: bool = False):
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
 
 @pytest.mark.parametrize("name", cm.available_profiles())
@@ -395,6 +395,29 @@ def test_grids_sweeper_expands_a_union():
     assert frozenset({"cluster=cpu4", "system=naive", "model.top_k=4", "seed=1"}) in as_sets
     assert frozenset({"cluster=cpu4", "task=prefill", "seed=1"}) in as_sets     # top_k only where swept
     assert len(points) == 2 * 2 + 1
+
+
+def test_every_experiments_sweeper_instantiates_and_refers_to_its_points():
+    """Hydra instantiates the sweeper from the composed config (resolving it); a grid's
+    reference to its point's config (``%{...}``) must survive that and reach the point."""
+    from hydra.utils import instantiate
+    from occult.config import CONF_DIR
+
+    class Ctx:
+        config_loader = None
+
+    for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
+        cfg = _cfg(f"experiment={path.stem}", hydra=True)
+        if str(cfg.hydra.mode) != "RunMode.MULTIRUN":
+            continue
+        sw = instantiate(cfg.hydra.sweeper)
+        sw.hydra_context, sw.config = Ctx(), None
+        (points,) = sw.split_arguments([], None)
+        assert points, path.stem
+        if path.stem == "fig7_pruning":      # the label names the point's own budget
+            point = next(p for p in points if any(o.startswith("label=score_") for o in p))
+            job = _cfg(*[o for o in point if not o.startswith("hydra.")], "experiment=fig7_pruning")
+            assert job.label == f"score_{job.system.budget}"
 
 
 def finetune_run(run_dir: Path, system: str, budget, steps: int, pydoc_loss: float, ct: float):

@@ -25,7 +25,10 @@ the key, and joins every grid when no grid names it (so a reduced run such
 as ``python run.py experiment=X model.top_k=2`` shrinks only the grids that
 sweep top-k). Points that two grids share run once. A param set to null is
 dropped (an experiment that extends another removes grids that way). A value
-may refer to the point's own config, escaped: ``label: score_\${system.budget}``.
+may refer to the point's own config with ``%{...}``: ``label: score_%{system.budget}``
+becomes the override ``label=score_${system.budget}``, resolved in the point's config
+(``${...}`` itself would be resolved by Hydra when it instantiates the sweeper, where
+the point's keys do not exist; an escaped ``\${...}`` is resolved twice there).
 
 It is the default sweeper of every multirun (``conf/config.yaml``): without grid
 names it sweeps like Hydra's basic sweeper. A point whose overrides would name a
@@ -46,6 +49,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 # read by occult.runner for its progress lines (the same name there)
 SWEEP_POINTS_ENV = "OCCULT_SWEEP_POINTS"
+# in a param's value, a reference to the point's own config (``%{key}`` -> ``${key}``)
+POINT_REF = "%{"
 # a sweep point's folder is named by its overrides; names past this are cut and get a digest
 MAX_FOLDER_NAME = 200
 
@@ -93,7 +98,7 @@ class GridsSweeper(BasicSweeper):
         points, seen = [], set()
         for params in grids.values():
             mine = [o for o in overrides if o.get_key_element() not in named or o.get_key_element() in params]
-            grid = parser.parse_overrides([f"{k}={v}" for k, v in params.items()]) + mine
+            grid = parser.parse_overrides([f"{k}={str(v).replace(POINT_REF, '${')}" for k, v in params.items()]) + mine
             for batch in BasicSweeper.split_arguments(grid, None):
                 for point in batch:
                     key = tuple(sorted(point))
