@@ -313,23 +313,44 @@ def _resized(c, run: pd.DataFrame, profile: "Profile", target: Optional["Target"
 
 
 def pipeline_degree(run: pd.DataFrame, layer: int) -> int:
-    """The chunks a pipelined system cut layer ``layer`` into (its ``pipeline_degree``
-    counter; 1 for every other system)."""
-    c = run[(run.metric == "pipeline_degree") & (run.layer == layer) & (run["rank"] >= 0)]
-    return int(c.value.max()) if not c.empty else 1
+    """The chunks a pipelined system cut each call of layer ``layer`` into: its
+    ``pipeline_degree`` counter over its ``pipeline_calls`` (counters add up over a run's
+    calls, e.g. decode steps; runs without ``pipeline_calls`` made one call); 1 for every
+    other system."""
+    at = (run.layer == layer) & (run["rank"] >= 0)
+    deg = run[at & (run.metric == "pipeline_degree")].groupby("rank").value.sum()
+    if deg.empty:
+        return 1
+    calls = run[at & (run.metric == "pipeline_calls")].groupby("rank").value.sum()
+    per_call = deg / calls.reindex(deg.index).fillna(1.0).clip(lower=1.0)
+    return max(int(round(float(per_call.max()))), 1)
 
 
-def _overlap_rows(layer: int, degree: int, a2a: list, expert_ms: dict, chunk_expert_ms: dict) -> list:
-    """For a layer cut into ``degree`` chunks: per pass, the time its pipeline hides (a
-    negative ``overlap`` component: the pipelined time of the chunked collectives and the
-    experts minus their serial sum; see :func:`occult.ep.links.pipeline_seconds`)."""
+def layer_calls(coll: pd.DataFrame, layer: int) -> int:
+    """How many times a timed iteration ran layer ``layer``'s exchange (decode: once per
+    step; a pipelined layer: once per chunk too): the commonest call count among its
+    forward collectives' phases (the larger on a tie; a phase run once per owner, such
+    as shadow's weight broadcasts, does not decide it)."""
+    calls = coll[(coll.layer == layer) & (coll.direction == "forward")].calls
+    if calls.empty:
+        return 1
+    counts = calls.value_counts()
+    return int(max(n for n, k in counts.items() if k == counts.max()))
+
+
+def _overlap_rows(layer: int, degree: int, calls: int, a2a: list, expert_ms: dict, chunk_expert_ms: dict) -> list:
+    """For a layer whose ``calls`` exchanges are ``calls / degree`` calls of ``degree``
+    chunks: per pass, the time its pipelines hide (a negative ``overlap`` component: the
+    pipelined time of the chunked collectives and the experts minus their serial sum;
+    see :func:`occult.ep.links.pipeline_seconds`). ``chunk_expert_ms``: one chunk's experts."""
     from occult.ep.links import pipeline_seconds
 
+    steps = max(calls // degree, 1)
     out = []
     for direction, experts in expert_ms.items():
-        chunked = {phase: ms for phase, d, calls, ms in a2a if d == direction and calls == degree}
+        chunked = {phase: ms for phase, d, n, ms in a2a if d == direction and n == calls}
         d, c = chunked.get("dispatch", 0.0), chunked.get("combine", 0.0)
-        piped = pipeline_seconds(d / degree, chunk_expert_ms[direction], c / degree, degree)
+        piped = steps * pipeline_seconds(d / calls, chunk_expert_ms[direction], c / calls, degree)
         out.append({"layer": layer, "component": "overlap", "pass": direction, "ms": piped - (d + c + experts)})
     return out
 
@@ -376,20 +397,18 @@ def project_run(run: pd.DataFrame, profile: Profile, target: Optional[Target] = 
     for layer in layers:
         rows_P = _expert_rows(run, layer)
         e = int(run.num_experts.iloc[0]) // P
-        disp = coll[(coll.layer == layer) & (coll.phase == "dispatch") & (coll.direction == "forward")]
-        calls = int(disp.calls.max()) if not disp.empty else 1
+        calls = layer_calls(coll, layer)
         degree = pipeline_degree(run, layer)
         expert_ms, chunk_ms = {}, {}
         for direction in ("forward", "backward") if backward else ("forward",):
             bwd = direction == "backward"
             expert_ms[direction] = expert_seconds(rows_P, D, F, link, backward=bwd, local_experts=e,
                                                   element_bytes=profile.element_bytes, calls=calls) * 1e3
-            chunk_ms[direction] = expert_seconds(rows_P / degree, D, F, link, backward=bwd, local_experts=e,
-                                                 element_bytes=profile.element_bytes,
-                                                 calls=max(calls // degree, 1)) * 1e3
+            chunk_ms[direction] = expert_seconds(rows_P / calls, D, F, link, backward=bwd, local_experts=e,
+                                                 element_bytes=profile.element_bytes) * 1e3
             out.append({"layer": layer, "component": "experts", "pass": direction, "ms": expert_ms[direction]})
         if degree > 1:
-            out += _overlap_rows(layer, degree, a2a.get(layer, []), expert_ms, chunk_ms)
+            out += _overlap_rows(layer, degree, calls, a2a.get(layer, []), expert_ms, chunk_ms)
     per_layer = pd.DataFrame(out)
     n_layers = target.moe_layers if target and target.moe_layers else len(layers)
     mean_layer = per_layer.groupby("layer").ms.sum().mean() if not per_layer.empty else 0.0

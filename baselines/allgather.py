@@ -30,7 +30,7 @@ Q (token, local expert) pairs on this rank.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -53,7 +53,7 @@ def token_counts(num_tokens: int, ep, where: Exchange, device) -> list:
     """Every rank's token count, in rank order (an all-gather of one integer per rank)."""
     mine_11 = torch.tensor([[num_tokens]], dtype=torch.long, device=device)
     # device-to-host sync: the counts size the collectives below
-    return all_gather_rows(mine_11, [1] * ep.world_size, ep, where).flatten().tolist()
+    return all_gather_rows(mine_11, [1] * ep.world_size, ep, replace(where, metadata=True)).flatten().tolist()
 
 
 def local_pairs(ids_AK: torch.Tensor, placement, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,7 +81,7 @@ class AllGatherDispatcher(SplitDispatcher):
         tokens_P = token_counts(x_TD.shape[0], ep, Exchange(layer, "counts", rec), x_TD.device)
         x_AD = all_gather_rows(x_TD, tokens_P, ep, Exchange(layer, "dispatch", rec))
         meta_TX = torch.cat([topk_weights_TK.to(torch.float64), topk_ids_TK.to(torch.float64)], dim=1)
-        meta_AX = all_gather_rows(meta_TX, tokens_P, ep, Exchange(layer, "dispatch_meta", rec))
+        meta_AX = all_gather_rows(meta_TX, tokens_P, ep, Exchange(layer, "dispatch_meta", rec, metadata=True))
         ids_AK = meta_AX[:, K:].detach().round().long()
         token_Q, k_Q, counts_e = local_pairs(ids_AK, self.placement, ep.rank)
         weight_Q = meta_AX[token_Q, k_Q].to(x_TD.dtype)

@@ -149,7 +149,8 @@ class HierarchicalDispatcher(SplitDispatcher):
         meta_SX = torch.cat([units.w_UK[unit_S] * keep_SK, ids_SK.to(torch.float64)], dim=1)
         x_RD = all_to_all_rows(gather_rows(units.x_UD, unit_S), send, recv, self.ep,
                                Exchange(layer, f"dispatch_{stage}", rec))
-        meta_RX = all_to_all_rows(meta_SX, send, recv, self.ep, Exchange(layer, f"dispatch_{stage}_meta", rec))
+        meta_RX = all_to_all_rows(meta_SX, send, recv, self.ep,
+                                  Exchange(layer, f"dispatch_{stage}_meta", rec, metadata=True))
         got = Units(x_RD, meta_RX[:, :K], meta_RX[:, K:].detach().round().long())
         return got, Leg(unit_S, send, recv, units.x_UD.shape[0], stage)
 

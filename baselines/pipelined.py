@@ -24,8 +24,8 @@ the rule picks r > 1 only where compute and communication are of the same size.
 
 Reported: a span ``exposed_comm`` per layer (the chunk loop's time minus the expert spans
 in it: communication that compute did not hide), beside ``dispatch``, ``experts`` and
-``combine``; a counter ``pipeline_degree``. The collectives' ``a2a_time`` is the time from
-start to the end of the wait (in flight, overlapped with compute). On this machine's 2
+``combine``; counters ``pipeline_degree`` (chunks) and ``pipeline_calls``. The
+collectives' ``a2a_time`` is the time from start to the end of the wait (in flight, overlapped with compute). On this machine's 2
 shared cores there is little to overlap with: gloo moves the bytes with the same cores
 that run the experts, so the measured overlap is an upper bound of nothing much (see the
 README); the cost model projects it onto GPU profiles with the same pipeline model.
@@ -48,7 +48,7 @@ from occult.ep.accounting import span
 from occult.ep.comm import all_gather_rows, start_all_to_all
 from occult.ep.experts import grouped_swiglu
 from occult.ep.links import Link, link_at, pipeline_seconds
-from occult.ep.measure import clock
+from occult.ep.measure import between, mark
 from occult.ep.permute import expert_major_order, gather_rows, inverse_permutation, weighted_scatter_add
 
 DEGREES = ("1", "2", "4", "auto")
@@ -63,7 +63,7 @@ class ChunkPlan:
     send_P: tuple          # per chunk: rows to each rank
     recv_P: tuple          # per chunk: rows from each rank
     perm_Q: tuple          # per chunk: received (source-major) rows -> expert-major
-    counts_e: tuple        # per chunk: rows per local expert
+    counts_e: tuple        # per chunk: rows per local expert (host tensors: split sizes)
     ep: object
     layer: int
     recorder: Optional[Recorder]
@@ -103,21 +103,23 @@ class _PipelinedExperts(torch.autograd.Function):
         chunks = torch.split(x_RD.detach(), [sum(s) for s in plan.send_P])
         start = lambda c, rows: start_all_to_all(rows, plan.send_P[c], plan.recv_P[c], plan.ep,
                                                  Exchange(layer, "dispatch", rec))
-        t0, computing = clock(), 0.0
+        # marks, not clock reads: a synchronising read would wait for the collectives too
+        t0, computing = mark(), []
         pending, back = [start(0, chunks[0])], []
         for c in range(r):
             got_RD = pending[c].wait()
             if c + 1 < r:
                 pending.append(start(c + 1, chunks[c + 1]))
-            t1 = clock()
+            t1 = mark()
             y_QD = _chunk_experts(ctx, got_RD, weights, plan, c)
-            computing += clock() - t1
+            computing.append((t1, mark()))
             back.append(start_all_to_all(gather_rows(y_QD, inverse_permutation(plan.perm_Q[c])), plan.recv_P[c],
                                          plan.send_P[c], plan.ep, Exchange(layer, "combine", rec)))
         out_RD = torch.cat([p.wait() for p in back])
         if rec is not None:
-            rec.log_span(layer, "experts", "forward", computing)
-            rec.log_span(layer, "exposed_comm", "forward", clock() - t0 - computing)
+            expert_s = sum(between(a, b) for a, b in computing)
+            rec.log_span(layer, "experts", "forward", expert_s)
+            rec.log_span(layer, "exposed_comm", "forward", between(t0, mark()) - expert_s)
         return out_RD
 
     @staticmethod
@@ -186,7 +188,8 @@ class PipelinedDispatcher(Dispatcher):
             return int(self.config.degree)
         ep, e = self.ep, self.placement.num_local
         rows_1P = torch.bincount(key_R // e, minlength=ep.world_size).view(1, -1)
-        rows_PP = all_gather_rows(rows_1P, [1] * ep.world_size, ep, Exchange(layer, "pipeline_plan", rec))
+        rows_PP = all_gather_rows(rows_1P, [1] * ep.world_size, ep,
+                                  Exchange(layer, "pipeline_plan", rec, metadata=True))
         D, F = experts.w_gate.shape[1:]
         return auto_degree(rows_PP, link_at(self.config.profile, ep.world_size), D * x_TD.element_size(), D, F, e)
 
@@ -208,7 +211,8 @@ class PipelinedDispatcher(Dispatcher):
         # device-to-host sync: split sizes go to the collectives as Python ints
         plan = ChunkPlan(tuple(s.sum(1).tolist() for s in send_rPe), tuple(s.sum(1).tolist() for s in recv_rPe),
                          tuple(expert_major_order(s.contiguous()) for s in recv_rPe),
-                         tuple(s.sum(0) for s in recv_rPe), ep, layer, rec, training)
+                         # per-expert split sizes on the host: the chunk loop then never waits for the device
+                         tuple(s.sum(0).cpu() for s in recv_rPe), ep, layer, rec, training)
         return plan, order_R
 
     def forward_moe(self, x_TD, topk_ids_TK, topk_weights_TK, experts, *, layer=0, recorder=None):
@@ -220,6 +224,7 @@ class PipelinedDispatcher(Dispatcher):
             x_RD = gather_rows(x_TD, token_R)
         if rec is not None:
             rec.log_counter(layer, "pipeline_degree", plan.degree)
+            rec.log_counter(layer, "pipeline_calls", 1)      # counters add up over calls (decode steps)
         y_RD = _PipelinedExperts.apply(x_RD, experts.w_gate, experts.w_up, experts.w_down, plan)
         with span(rec, layer, "combine"):
             return weighted_scatter_add(x_TD.shape[0], token_R, y_RD, topk_weights_TK.flatten()[order_R])

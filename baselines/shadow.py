@@ -109,7 +109,8 @@ class ShadowDispatcher(Dispatcher):
         """The experts shadowed for this batch (bool [E]), from every rank's pair counts."""
         ep, E = self.ep, self.placement.num_experts
         mine_1E = torch.bincount(topk_ids_TK.flatten(), minlength=E).view(1, E)
-        load_PE = all_gather_rows(mine_1E, [1] * ep.world_size, ep, Exchange(layer, "shadow_plan", rec))
+        load_PE = all_gather_rows(mine_1E, [1] * ep.world_size, ep,
+                                  Exchange(layer, "shadow_plan", rec, metadata=True))
         D, F = experts.w_gate.shape[1:]
         costs = ShadowCosts.of(link_at(self.config.profile, ep.world_size), D, F, experts.w_gate.element_size())
         return fastermoe_shadowed(load_PE.sum(0), costs, training)

@@ -5,8 +5,9 @@ Float64 problems; a system is held to the tolerance of its own precision (1e-9 f
 float64 systems, float32's for a library that computes in float32, such as Tutel).
 
 One world per world size runs the whole grid (starting ranks costs seconds). The ranks
-are grouped into nodes (``NODES``: 4 ranks as 2 nodes of 2, 2 and 3 ranks one per node),
-so that systems that stage their exchange by node run every stage; the others ignore it.
+are grouped into nodes (``NODES``: 4 ranks as 2 nodes of 2, 2 ranks one per node, 3 ranks
+in one node), so that a system that stages its exchange by node runs each of its paths
+(both stages, the inter-node stage alone, the intra-node stage alone); the others ignore it.
 """
 import pytest
 
@@ -17,7 +18,7 @@ from occult.parity import TOLERANCE, LayerCase, disagreements, run_grid
 from systems import exact_systems
 EXPERTS = (8, 60, 64)
 TOPK = (1, 2, 6, 8)
-NODES = {1: 0, 2: 1, 3: 1, 4: 2}     # world size -> ranks per node (cluster.devices_per_node)
+NODES = {1: 0, 2: 1, 3: 0, 4: 2}     # world size -> ranks per node (cluster.devices_per_node; 0: one node)
 
 
 def cases_for(P: int) -> list:

@@ -32,14 +32,14 @@ Shapes: R rows, D the rest of a row's shape, P ranks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .accounting import Recorder
-from .measure import barrier, clock
+from .measure import barrier, between, clock, mark
 
 ALL_TO_ALL, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE = (
     "all_to_all", "all_gather", "reduce_scatter", "broadcast", "reduce")
@@ -82,12 +82,15 @@ class EPGroup:
 class Exchange:
     """Where a collective is logged: layer, phase name and recorder (may be None);
     ``meta_cols``: trailing values of each row that are metadata (e.g. gate weights
-    riding with a hidden state), logged apart as ``meta_bytes``."""
+    riding with a hidden state), logged apart as ``meta_bytes``; ``metadata``: the whole
+    row is (routing ids, counts, plans: the cost model keeps such rows at their size
+    instead of re-sizing them to a model's width)."""
 
     layer: int
     phase: str
     recorder: Optional[Recorder]
     meta_cols: int = 0
+    metadata: bool = False
 
 
 def _row_bytes(x: torch.Tensor) -> int:
@@ -95,14 +98,18 @@ def _row_bytes(x: torch.Tensor) -> int:
 
 
 def _log(where: Exchange, direction: str, collective: str, rows_P, x: torch.Tensor, t0: float,
-         wait: float, meta_row_bytes: Optional[int] = None, replay=None) -> None:
-    """Logs a collective that started at ``t0`` and has ended. ``meta_row_bytes``: of each
-    row's bytes, the metadata (default: ``where.meta_cols`` values); ``replay``: a callable
-    that runs the same exchange again as the bare collective and returns its seconds
-    (called only with ``Recorder.raw_replay``)."""
+         wait: float, meta_row_bytes: Optional[int] = None, replay=None,
+         seconds: Optional[float] = None) -> None:
+    """Logs a collective that started at ``t0`` and has ended (``seconds``: its time, when
+    the caller measured it). ``meta_row_bytes``: of each row's bytes, the metadata (default:
+    ``where.meta_cols`` values; every byte for a ``where.metadata`` exchange); ``replay``: a
+    callable that runs the same exchange again as the bare collective and returns its
+    seconds (called only with ``Recorder.raw_replay``)."""
     rec = where.recorder
     if rec is not None:
-        seconds = clock() - t0
+        seconds = clock() - t0 if seconds is None else seconds
+        if where.metadata:
+            meta_row_bytes = _row_bytes(x)
         raw = replay() if replay is not None and rec.raw_replay else -1.0
         rec.log_collective(layer=where.layer, phase=where.phase, direction=direction, rows_P=rows_P,
                            row_bytes=_row_bytes(x), seconds=seconds, wait_seconds=wait,
@@ -212,6 +219,7 @@ def exchange_counts(counts_PX: torch.Tensor, ep: EPGroup, where: Exchange,
     ranks only (a staged exchange talks to some peers); the rows of the others are zeros.
     """
     P = ep.world_size
+    where = replace(where, metadata=True)
     if peers_P is None:
         return _exchange(counts_PX, [1] * P, [1] * P, ep, where, "forward")
     splits = [int(bool(p)) for p in peers_P]
@@ -345,9 +353,11 @@ def broadcast_rows(buf_RD: torch.Tensor, src: int, ep: EPGroup, where: Exchange,
     """Rank ``src``'s rows on every rank: ``buf_RD`` is the rows on ``src`` and a buffer of
     the same shape elsewhere (its values unused). With ``requires_grad`` (which every rank
     must pass alike) it is differentiable: the backward sums every rank's gradient of the
-    rows on ``src`` (a reduce; the other ranks' gradient of their buffer is zero)."""
+    rows on ``src`` (a reduce; the other ranks' gradient of their buffer is zero). Every
+    rank's output then takes part in the backward, so that every rank runs the reduce,
+    even where ``src``'s rows themselves need no gradient (a frozen weight)."""
     if requires_grad:
-        if ep.rank != src:
+        if ep.rank != src or not buf_RD.requires_grad:
             buf_RD = buf_RD.detach().requires_grad_(True)
         return _BroadcastRows.apply(buf_RD, int(src), ep, where)
     return _broadcast(buf_RD.detach(), int(src), ep, where, "forward")
@@ -358,7 +368,7 @@ def broadcast_rows(buf_RD: torch.Tensor, src: int, ep: EPGroup, where: Exchange,
 # ---------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class PendingExchange:
     """An all-to-all in flight (:func:`start_all_to_all`); :meth:`wait` returns its rows."""
 
@@ -368,14 +378,17 @@ class PendingExchange:
     where: Exchange
     direction: str
     send_RD: torch.Tensor      # the rows being sent (kept alive until the collective ends)
-    t0: float
+    start: object              # a measure.mark: the device timeline is not waited for
     wait_s: float
 
     def wait(self) -> torch.Tensor:
-        """Blocks until the rows have arrived; logs the collective (its time: from start to here)."""
+        """The rows, once they have arrived (on CUDA the current stream waits for them, the
+        host only to read the time); logs the collective (its time: from start to here)."""
         if self.work is not None:
             self.work.wait()
-        _log(self.where, self.direction, ALL_TO_ALL, self.send_P, self.send_RD, self.t0, self.wait_s)
+        if self.where.recorder is not None:
+            _log(self.where, self.direction, ALL_TO_ALL, self.send_P, self.send_RD, 0.0, self.wait_s,
+                 seconds=between(self.start, mark()))
         return self.out_RD
 
 
@@ -386,7 +399,9 @@ def start_all_to_all(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup
     then :meth:`PendingExchange.wait` s. Logged like :func:`all_to_all_rows`, its time
     being the interval from start to the end of the wait."""
     send_P, recv_P = [int(s) for s in send_P], [int(r) for r in recv_P]
-    wait, t0 = _start(ep, where)
+    rec = where.recorder
+    wait = barrier(ep) if rec is not None and rec.sync_collectives else 0.0
+    start = mark()
     x_RD = x_RD.detach().contiguous()
     out = x_RD.new_empty((sum(recv_P),) + tuple(x_RD.shape[1:]))
     work = None
@@ -394,4 +409,4 @@ def start_all_to_all(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup
         out.copy_(x_RD)
     else:
         work = dist.all_to_all_single(out, x_RD, recv_P, send_P, group=ep.group, async_op=True)
-    return PendingExchange(out, work, send_P, where, direction, x_RD, t0, wait)
+    return PendingExchange(out, work, send_P, where, direction, x_RD, start, wait)

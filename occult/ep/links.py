@@ -84,7 +84,11 @@ def link_at(name_or_path: str, world_size: int) -> Link:
             raise ValueError(f"profile {name_or_path!r} is calibrated for world sizes {sorted(calibrated)}, "
                              f"not {world_size}")
         return calibrated[world_size]
-    return link_from_fields(c)
+    try:
+        return link_from_fields(c)
+    except KeyError as exc:
+        raise ValueError(f"profile {name_or_path!r} has no {exc.args[0]!r} (a fixed profile needs intra_node_GBps; "
+                         f"a measured one, calibration points)") from None
 
 
 def pipeline_seconds(dispatch_s: float, experts_s: float, combine_s: float, degree: int) -> float:

@@ -13,6 +13,12 @@ was queued (``torch.cuda.synchronize``; ``CUDA_CLOCK = "cuda-synchronized"``): a
 phase's time is then its device time plus the host's launch overhead, and the
 synchronisation itself happens outside the timed intervals only where two reads are
 adjacent. :func:`use_device` sets the rank's device once, when the rank starts.
+
+A schedule that overlaps collectives with compute must not wait for the device between
+them (a synchronising read would wait for the collectives' stream too and serialise
+them): it takes :func:`mark` s, points on the device's timeline that do not wait (a CUDA
+event on the current stream; the host clock on a CPU rank), and reads the intervals
+between them with :func:`between` once the schedule has run.
 """
 from __future__ import annotations
 
@@ -48,6 +54,24 @@ def clock() -> float:
     if _SYNC_DEVICE is not None:
         torch.cuda.synchronize(_SYNC_DEVICE)
     return perf_counter()
+
+
+def mark():
+    """A point on this rank's timeline that does not wait for the device: a CUDA event
+    recorded on the current stream (CUDA rank) or the host clock (CPU rank)."""
+    if _SYNC_DEVICE is None:
+        return perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def between(start, end) -> float:
+    """Seconds from mark ``start`` to mark ``end`` (on CUDA, waits until ``end`` is reached)."""
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def barrier(ep) -> float:
