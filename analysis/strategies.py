@@ -34,6 +34,7 @@ from .summary import RUN_KEYS, ratio_to, task_latency
 # where each machine's projection comes from: (column, profile, world size of its runs)
 MACHINES = [("4 x A6000", "sim_a6000x4", 4), ("8 x H100", "sim_h100x8", 8), ("2 x 8 H100", "sim_h100x2node", 16)]
 MEASURED_WORLD = 4
+WHOLE_MODEL_TASKS = ["prefill", "train", "decode"]
 
 
 def arm_of(run: pd.DataFrame) -> str:
@@ -84,7 +85,7 @@ def exposed_ms(run: pd.DataFrame) -> float:
 def run_summary(df: pd.DataFrame) -> pd.DataFrame:
     """One row per whole-model run: its arm, traffic, collectives and exposed communication."""
     out = []
-    for run_dir, run in df[df.task.isin(["prefill", "train", "decode"])].groupby("run_dir"):
+    for run_dir, run in df[df.task.isin(WHOLE_MODEL_TASKS)].groupby("run_dir"):
         out.append({**{k: run[k].iloc[0] for k in RUN_KEYS + ["system"]}, "run_dir": run_dir, "arm": arm_of(run),
                     **node_traffic(run), "collectives_per_layer": collectives_per_layer(run),
                     "exposed_comm_ms_per_layer": exposed_ms(run)})
@@ -101,7 +102,7 @@ def projections(df: pd.DataFrame) -> pd.DataFrame:
     (run, machine)."""
     frames = []
     for machine, profile_name, P in MACHINES:
-        runs = df[df.world_size == P]
+        runs = df[(df.world_size == P) & df.task.isin(WHOLE_MODEL_TASKS)]      # not the pipelining study's layers
         tot = cm.projected_totals(cm.project_runs(runs, cm.load_profile(profile_name), target="real"))
         if tot.empty:
             continue
@@ -145,8 +146,8 @@ def winners_figure(table: pd.DataFrame, out_dir: Path) -> list:
     names = [f"here, P = {MEASURED_WORLD}\n(measured)"] + [f"{m}\n(projected)" for m, _, _ in MACHINES]
     panels = list(table.groupby(["model", "task"]))
     style()
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.3 * len(panels), 0.34 * table.arm.nunique() + 2.2),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.4 * len(panels), 0.34 * table.arm.nunique() + 2.2),
+                             squeeze=False, gridspec_kw={"wspace": 0.6})     # room for each panel's arm names
     for ax, ((model, task), t) in zip(axes[0], panels):
         t = t.set_index("arm").loc[system_order(t.arm)]
         values = t[cols].to_numpy(dtype=float)
