@@ -427,7 +427,8 @@ def fig1_batch(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     for j, task in enumerate(tasks):
         panels = [(axes[0][j], lat[lat.task == task], "latency_ms", "measured here (ms)")]
         if rows == 2:
-            panels.append((axes[1][j], proj[proj.task == task], "moe_ms", f"projected {FIG1_PROFILE}, MoE (ms)"))
+            whole = " per decode (prompt + every step)" if task == "decode" else ""   # projections sum a run's calls
+            panels.append((axes[1][j], proj[proj.task == task], "moe_ms", f"projected {FIG1_PROFILE},\nMoE ms{whole}"))
         for ax, data, col, label in panels:
             for system in systems:
                 sel = data[data.system == system].sort_values("batch_size")
@@ -459,7 +460,8 @@ def fig1_batch(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                                                                                         "system"])))
         verdicts += [crossover(pfast, task) + f" (projected, {FIG1_PROFILE}, MoE layers)" for task in tasks]
         text.append(f"Projected ({FIG1_PROFILE}, the real OLMoE's width in bfloat16, MoE layers only): the cost "
-                    "model on each run's measured per-peer rows; the reference is its experts alone (all E on "
+                    "model on each run's measured per-peer rows, summed over the run's calls (decode: the "
+                    "prompt and every generated token); the reference is its experts alone (all E on "
                     "each device, nothing exchanged). Expert time is a roofline of the profile's matmul rate "
                     "and memory bandwidth (each call reads the weights of at most min(local experts, rows) "
                     f"experts). Profile: {profile.source}.")
