@@ -575,3 +575,15 @@ def test_tutel_overlap_table_reads_degrees_padding_and_ratios(tmp_path):
     assert tutel4.padding_rows == 600 and tutel4.padding_rows_vs_degree_1 == pytest.approx(1.5)
     assert tutel4.layer_fwd_bwd_ms_vs_naive == pytest.approx((8 * 3.0 + 8) / (8 * 2.0 + 8))
     assert tutel4.dispatch_remote_MB_vs_naive == pytest.approx(20 / 8)
+
+
+def test_strategies_report_reads_whole_model_runs_beside_layer_runs(synthetic_sweep, tmp_path):
+    """A sweep that also holds layer runs (several per system, e.g. the pipelining study's
+    degrees) still gives one table row per (model, task, system) of its whole-model runs."""
+    from analysis.load import load_runs
+    from analysis.strategies import strategies_table
+    table = strategies_table(load_runs([synthetic_sweep]))
+    prefill = table[table.task == "prefill"].set_index("arm")
+    assert set(prefill.index) == {"naive", "occult", "tutel"} and not table.duplicated(["model", "task", "arm"]).any()
+    assert prefill.loc["naive", "measured_vs_naive"] == pytest.approx(1.0)
+    assert prefill.loc["occult", "measured_vs_naive"] < 1.0 < prefill.loc["tutel", "measured_vs_naive"]
