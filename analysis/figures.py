@@ -300,6 +300,18 @@ def _two_line_model_ticks(ax, proxy: str = "\n(proxy)") -> None:
         ax.set_xticks(ax.get_xticks(), [s.replace("_proxy", proxy) for s in labels])
 
 
+def _task_panels(lat: pd.DataFrame, proj: pd.DataFrame, panel_inches: tuple):
+    """The Fig. 1 layout: one column per task present, a measured row and, when there are
+    projections, a projected row. Returns (tasks, systems, palette, rows, fig, axes)."""
+    tasks = [t for t in TASK_LATENCY if t in set(lat.task)]
+    systems = system_order(lat.system.unique())
+    style()
+    rows = 2 if not proj.empty else 1
+    width, height = panel_inches
+    fig, axes = plt.subplots(rows, len(tasks), figsize=(width * len(tasks), height * rows), squeeze=False)
+    return tasks, systems, palette(systems), rows, fig, axes
+
+
 def fig1_latency(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     """Occult Fig. 1: latency per system, model and task; ratios to naive; projected 4 x A6000."""
     title = "Fig. 1: latency of every system, model and task"
@@ -314,12 +326,7 @@ def fig1_latency(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     proj = cm.projected_totals(cm.project_runs(df[df.task.isin(list(TASK_LATENCY))], profile, target="real"))
     if not proj.empty:
         proj["ratio_to_naive"] = ratio_to(proj, "moe_ms")
-    tasks = [t for t in TASK_LATENCY if t in set(lat.task)]
-    systems = system_order(lat.system.unique())
-    pal = palette(systems)
-    style()
-    rows = 2 if not proj.empty else 1
-    fig, axes = plt.subplots(rows, len(tasks), figsize=(4.6 * len(tasks), 3.4 * rows), squeeze=False)
+    tasks, systems, pal, rows, fig, axes = _task_panels(lat, proj, (4.6, 3.4))
     for j, task in enumerate(tasks):
         ax = axes[0][j]
         sns.barplot(data=lat[lat.task == task], x="model", y="latency_ms", hue="system", hue_order=systems,
@@ -418,12 +425,7 @@ def fig1_batch(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     profile = cm.load_profile(FIG1_PROFILE)
     proj = cm.projected_totals(cm.project_runs(df[df.task.isin(list(TASK_LATENCY))], profile, target="real",
                                                single_device=True))
-    tasks = [t for t in TASK_LATENCY if t in set(lat.task)]
-    systems = system_order(lat.system.unique())
-    pal = palette(systems)
-    style()
-    rows = 2 if not proj.empty else 1
-    fig, axes = plt.subplots(rows, len(tasks), figsize=(4.4 * len(tasks), 3.3 * rows), squeeze=False)
+    tasks, systems, pal, rows, fig, axes = _task_panels(lat, proj, (4.4, 3.3))
     for j, task in enumerate(tasks):
         panels = [(axes[0][j], lat[lat.task == task], "latency_ms", "measured here (ms)")]
         if rows == 2:

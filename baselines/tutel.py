@@ -67,7 +67,6 @@ D hidden, E experts, P ranks, e local experts, C capacity, X = P*C rows per loca
 """
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
@@ -75,9 +74,11 @@ from types import SimpleNamespace
 
 import torch
 
-from occult.ep import SplitDispatcher, SystemConfig
+from occult.ep import SplitDispatcher
 from occult.ep.measure import barrier, clock
 from occult.ep.observe import CallTrace, probe
+
+from baselines.tutel_harness import TutelHarnessDispatcher
 
 TUTEL_VERSION = "0.3"
 TUTEL_COMMIT = "82af7aad9fc3ec981395ba97e7242a480984a55e"
@@ -191,26 +192,18 @@ class TutelDispatcher(SplitDispatcher):
     precision = "float32"  # Tutel's CPU encode / decode
 
     @dataclass
-    class Config(SystemConfig):
-        # 0: dropless, C = the most pairs any rank sends one expert (exact).
-        # > 0: C = K * int(cf * ceil(T / E)); overflow pairs dropped (first choices first,
-        # tokens in order). < 0: dropless capped at the capacity of -cf.
-        capacity_factor: float = 0.0
-        # Tutel's a2a_ffn_overlap_degree: C is rounded up to a multiple of it; Tutel pipelines
-        # (chunks the exchange) only on CUDA, which this adapter refuses for degrees above 1
+    class Config(TutelHarnessDispatcher.Config):
+        # capacity_factor as the harness's twin (the same capacity and drop rule, tested
+        # against it). Tutel's a2a_ffn_overlap_degree: C is rounded up to a multiple of it;
+        # Tutel pipelines (chunks the exchange) only on CUDA, which this adapter refuses for
+        # degrees above 1
         a2a_ffn_overlap_degree: int = 1
 
         def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
             super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
-            if not math.isfinite(self.capacity_factor):
-                raise ValueError(f"system.capacity_factor={self.capacity_factor!r}: allowed a finite number "
-                                 "(> 0 fixed capacity, 0 dropless, < 0 dropless capped at -cf's capacity)")
             if not 1 <= self.a2a_ffn_overlap_degree <= MAX_OVERLAP_DEGREE:
                 raise ValueError(f"system.a2a_ffn_overlap_degree={self.a2a_ffn_overlap_degree!r}: allowed "
                                  f"integers 1..{MAX_OVERLAP_DEGREE} (Tutel's limit)")
-
-        def is_exact(self) -> bool:
-            return self.capacity_factor == 0
 
     def __init__(self, ep, placement, config):
         super().__init__(ep, placement, config)
@@ -223,10 +216,11 @@ class TutelDispatcher(SplitDispatcher):
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         degree = self.config.a2a_ffn_overlap_degree
         if x_TD.is_cuda and degree > 1:
-            raise NotImplementedError(
+            # refused, not run untested: Tutel's overlap path is the library's own CUDA schedule
+            raise ValueError(
                 f"system.a2a_ffn_overlap_degree={degree} on CUDA tensors: Tutel's layer would take its "
                 "pipelined path (tutel.impls.overlap, NCCL streams), which this adapter does not drive; "
-                "allowed here: 1")
+                f"allowed values on CUDA: [1] (on CPU: 1..{MAX_OVERLAP_DEGREE}, capacity alignment only)")
         tutel, P, e = self._tutel, self.ep.world_size, self.placement.num_local
         T, K = topk_ids_TK.shape
         D = x_TD.shape[1]
