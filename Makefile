@@ -7,7 +7,9 @@ STAMP  := $(VENV)/.installed
 # Tutel (system=tutel) is not on PyPI. It is installed from a folder of wheels when one is
 # there (a wheel built from the pinned commit against this torch and Python), else built
 # from its source repository at that commit (needs git, a C++ compiler and the network).
-TUTEL_WHEELS ?= ../shared/wheels
+# The folder: ../shared/wheels beside this checkout or, for a clone of a local checkout,
+# beside the checkout it was cloned from.
+TUTEL_WHEELS ?= $(firstword $(wildcard ../shared/wheels $(shell git config --get remote.origin.url 2>/dev/null)/../shared/wheels) ../shared/wheels)
 TUTEL_COMMIT := 82af7aad9fc3ec981395ba97e7242a480984a55e
 TUTEL_SOURCE ?= git+https://github.com/microsoft/tutel@$(TUTEL_COMMIT)
 
