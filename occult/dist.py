@@ -302,7 +302,8 @@ def _launch_joined(world: JobWorld, fn, args, seed, timeout_s, collective_timeou
 
 def _supervise(procs, results, errors, timeout_s) -> list:
     """Collects results; on the first error or a dead rank, fails with that rank's traceback
-    (a rank killed by a signal is named as the cause of its peers' errors)."""
+    (a rank that died without a traceback, killed by a signal or exiting on its own, is
+    named as the cause of its peers' errors)."""
     deadline = time.monotonic() + timeout_s
     out: dict = {}
     while len(out) < len(procs):
@@ -314,37 +315,50 @@ def _supervise(procs, results, errors, timeout_s) -> list:
             pass
         failure = _first_error(errors)
         if failure is not None:
-            rank, tb = failure
-            raise RankFailed(_killed(procs, out) or f"rank {rank} of {len(procs)} failed:\n{tb}")
+            rank, tb, reporters = failure
+            raise RankFailed(_silent_deaths(procs, out, reporters, errors) or f"rank {rank} of {len(procs)} failed:\n{tb}")
         for r, p in enumerate(procs):
             if r not in out and not p.is_alive() and p.exitcode not in (0, None):
                 failure = _first_error(errors, wait=1.0)
-                killed = _killed(procs, out)
-                if killed:
-                    raise RankFailed(killed)
-                if failure is not None:
-                    raise RankFailed(f"rank {failure[0]} of {len(procs)} failed:\n{failure[1]}")
-                raise RankFailed(f"rank {r} of {len(procs)} died with exit code {p.exitcode} "
-                                 "and no Python traceback (killed, out of memory, or a crash in C)")
+                reporters = failure[2] if failure is not None else set()
+                silent = _silent_deaths(procs, out, reporters, errors)
+                if silent:
+                    raise RankFailed(silent)
+                raise RankFailed(f"rank {failure[0]} of {len(procs)} failed:\n{failure[1]}")
         if time.monotonic() > deadline:
             missing = sorted(set(range(len(procs))) - set(out))
             raise RankFailed(f"run timed out after {timeout_s:.0f} s waiting for ranks {missing}")
     return [out[r] for r in range(len(procs))]
 
 
-def _killed(procs, out: dict) -> str:
-    """'rank r of P was killed by SIGKILL ...' when a rank without a result died from a
-    signal (its peers then fail with connection errors that are not the cause), else ''."""
+def _silent_deaths(procs, out: dict, reporters: set, errors) -> str:
+    """'rank r of P was killed by SIGKILL ...' / 'rank r of P died with exit code c ...' for
+    the ranks without a result that died without reporting a Python error (their peers
+    then fail with connection errors that are not the cause), else ''."""
     for p in procs:
         p.join(timeout=0.2 if p.is_alive() else 0)
+    reporters = set(reporters)
+    while True:  # a rank that exited has flushed its error: late ones are in the queue
+        try:
+            reporters.add(errors.get(timeout=0.05)[0])
+        except queue.Empty:
+            break
     dead = [(r, p.exitcode) for r, p in enumerate(procs)
-            if r not in out and p.exitcode is not None and p.exitcode < 0]
+            if r not in out and r not in reporters and p.exitcode not in (0, None)]
     if not dead:
         return ""
-    names = ", ".join(f"rank {r} of {len(procs)} was killed by {_signal_name(-code)} (exit code {code})"
-                      for r, code in dead)
+    names = ", ".join(_death(r, len(procs), code) for r, code in dead)
+    causes = ("the out-of-memory killer, a timeout, a user" if any(code < 0 for _, code in dead)
+              else "a crash in C, os._exit, a library calling exit")
     return (f"{names}; the other ranks' errors (e.g. 'Connection reset by peer') follow from it. "
-            "Look for what sent the signal (the out-of-memory killer, a timeout, a user).")
+            f"Look for what ended it ({causes}).")
+
+
+def _death(rank: int, world_size: int, code: int) -> str:
+    """One rank's silent end, in words."""
+    if code < 0:
+        return f"rank {rank} of {world_size} was killed by {_signal_name(-code)} (exit code {code})"
+    return f"rank {rank} of {world_size} died with exit code {code} and no Python traceback"
 
 
 def _signal_name(number: int) -> str:
@@ -357,7 +371,7 @@ def _signal_name(number: int) -> str:
 def _first_error(errors, wait: float = 0.0):
     """The earliest error reported (peers of a dead rank fail after it, with
     'connection closed' errors): once one error is seen, collect for a moment
-    more and return the one with the earliest time stamp."""
+    more and return the one with the earliest time stamp, with every rank that reported."""
     found = []
     try:
         found.append(errors.get(timeout=max(wait, 0.01)))
@@ -370,4 +384,4 @@ def _first_error(errors, wait: float = 0.0):
         except queue.Empty:
             pass
     rank, _, tb = min(found, key=lambda f: f[1])
-    return rank, tb
+    return rank, tb, {f[0] for f in found}

@@ -27,10 +27,13 @@ def raise_on_rank(ctx, bad_rank: int):
     return "unreachable"
 
 
-def exit_on_rank(ctx, bad_rank: int):
-    """``bad_rank`` dies without a Python traceback."""
+def exit_on_rank(ctx, bad_rank: int, peers_wait_in_collective: bool = False):
+    """``bad_rank`` dies without a Python traceback; the others sleep, or wait in a
+    collective (and fail with a connection error when it dies)."""
     if ctx.rank == bad_rank:
         os._exit(3)
+    if peers_wait_in_collective:
+        dist.barrier()
     time.sleep(60)
 
 
