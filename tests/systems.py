@@ -24,9 +24,10 @@ def system_configs(extra_dirs=()) -> dict:
 
 
 def exact_systems(extra_dirs=()) -> dict:
-    """Expert-parallel systems that claim exact top-k MoE with their default options, and
-    lossy ones with their loss switched off (``SystemConfig.lossless_options``, named
-    ``name(option=value, ...)``): name -> the system's dict. The reference (no
+    """Expert-parallel systems that claim exact top-k MoE with their default options (and
+    with each of their other exact paths, ``SystemConfig.other_exact_paths``), and lossy
+    ones with their loss switched off (``SystemConfig.lossless_options``); a variant is
+    named ``name(option=value, ...)``: name -> the system's dict. The reference (no
     dispatcher) is what they are checked against."""
     out = {}
     for name, cfg in system_configs(extra_dirs).items():
@@ -35,10 +36,16 @@ def exact_systems(extra_dirs=()) -> dict:
             continue
         if config.is_exact():
             out[name] = cfg
+            for path in config.other_exact_paths():
+                out[_variant(name, path)] = {**cfg, **path}
             continue
         off = config.lossless_options()
         if off:
             lossless = {**cfg, **off}
             assert system_config(lossless).is_exact(), f"{name} with {off} does not say it is exact"
-            out[name + "(" + ", ".join(f"{k}={v}" for k, v in off.items()) + ")"] = lossless
+            out[_variant(name, off)] = lossless
     return out
+
+
+def _variant(name: str, options: dict) -> str:
+    return name + "(" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")"

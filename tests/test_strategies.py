@@ -363,7 +363,7 @@ def test_the_strategies_experiment_runs_every_exact_system():
         cfg = compose("config", overrides=["experiment=strategies"], return_hydra_config=True)
     params = cfg.hydra.sweeper.params
     measured = set(params["m/system"].split(",")) | {params["placed/system"]}
-    exact = {name for name in exact_systems() if "(" not in name}     # not the lossy ones with their loss off
+    exact = {name for name in exact_systems() if "(" not in name}     # not the variants (other paths, loss off)
     assert measured == exact, exact ^ measured
     assert str(params["b16/cluster.world_size"]) == "16" and str(params["b16/cluster.devices_per_node"]) == "8"
     assert params["r8/system.profile"] == "sim_h100x8" and params["r16/system.profile"] == "sim_h100x2node"

@@ -9,7 +9,9 @@ Forward (Occult, Fig. 4):
             counts exchange that every variable-split system makes first)
   receiver  BRIM_1 from the weights -> SFD to EPD -> grouped experts, each row's
             gate weight scaling its expert's hidden row -> merge EPD to SFD: sum
-            the rows of the same token (intra-device pre-aggregation)
+            the rows of the same token (intra-device pre-aggregation); on the
+            default paths the gather and the merge are fused into the experts step
+            (:mod:`occult.collab.experts`), so that EPD never exists at full size
   exchange  all-to-all of the merged SFD rows back [R, D]
   sender    SFD to ORI: sum each token's rows (by BRIM_0)
 
@@ -36,7 +38,7 @@ from ..ep.accounting import span
 from ..ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
 from ..kernels import triton_available, use_triton
 from .brim import Brim0, Brim1, build_brim0, build_brim1, local_expert_weights, uses_of
-from .experts import GatheredRows, occult_experts
+from .experts import GatheredRows, merged_swiglu, occult_experts
 
 
 @dataclass(frozen=True)
@@ -49,22 +51,25 @@ class OccultHandle:
     num_tokens: int
     layer: int
     recorder: Optional[Recorder]
-    fused: bool = False          # Triton kernels for the expert matmul and the merge
+    kernels: str = "epd"         # the path this call took: torch | epd | triton
 
 
-KERNELS = ("auto", "torch", "triton")
+KERNELS = ("auto", "torch", "epd", "triton")
 
 
 class OccultDispatcher(SplitDispatcher):
-    """``kernels``: ``torch`` (vectorised PyTorch, the reference path), ``triton`` (the
-    gather-fused expert matmul and the atomic weighted merge; CUDA, or the Triton
-    interpreter), or ``auto`` (triton on CUDA tensors when triton imports, else torch)."""
+    """``kernels`` (:mod:`occult.collab.experts`): ``torch`` (PyTorch, one local expert at
+    a time: its rows gathered from the received buffer, its outputs added into the merged
+    rows), ``epd`` (PyTorch, EPD materialised, then the merge: the token states one by
+    one), ``triton`` (the gather-fused expert matmul and the atomic weighted merge; CUDA,
+    or the Triton interpreter), or ``auto`` (triton on CUDA tensors when triton imports,
+    else torch)."""
 
     impl = "harness"
 
     @dataclass
     class Config(PayloadConfig):
-        kernels: str = "auto"    # auto (Triton on CUDA when installed) | torch | triton
+        kernels: str = "auto"    # auto (Triton on CUDA when installed, else torch) | torch | epd | triton
         accepts_dropped_pairs: ClassVar[bool] = True
 
         def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
@@ -75,18 +80,30 @@ class OccultDispatcher(SplitDispatcher):
                 raise ValueError("system.kernels=triton: the triton package is not installed "
                                  "(pip install -e '.[gpu]')")
 
-    def _fused(self, x_TD) -> bool:
+        def other_exact_paths(self) -> list:
+            # the PyTorch path that this config does not take on a CPU (auto takes torch there);
+            # triton's kernels are checked under the interpreter (make test-triton) and on a GPU
+            taken = "torch" if self.kernels == "auto" else self.kernels
+            return [{"kernels": k} for k in ("torch", "epd") if k != taken]
+
+    def _kernels(self, x_TD) -> str:
+        """The path this call takes: torch | epd | triton."""
         kernels = self.config.kernels
         if kernels == "triton" and not use_triton(x_TD):
             raise ValueError("system.kernels=triton runs on CUDA tensors only (or under the Triton "
-                             "interpreter, TRITON_INTERPRET=1); use kernels=auto or torch on a CPU")
-        return kernels != "torch" and use_triton(x_TD)
+                             "interpreter, TRITON_INTERPRET=1); use kernels=auto, torch or epd on a CPU")
+        if kernels == "auto":
+            return "triton" if use_triton(x_TD) else "torch"
+        return kernels
 
     def run_experts(self, experts, routed_QD, counts_e, handle: "OccultHandle"):
-        """Occult's own experts step (:func:`occult.collab.experts.occult_experts`): on the
-        PyTorch path each EPD row's gate weight scales its expert's F-wide hidden row (the
-        merge is then a plain sum); the fused path weights in its merge kernel."""
-        return occult_experts(experts, routed_QD, counts_e, None if handle.fused else handle.weight_Q)
+        """Occult's own experts step (:mod:`occult.collab.experts`); each EPD row's gate
+        weight scales its expert's F-wide hidden row. The torch path returns the merged
+        SFD rows [R, D]; epd and triton return the EPD outputs [Q, D] (triton unweighted:
+        its merge kernel weights them)."""
+        if handle.kernels == "torch":
+            return merged_swiglu(experts, routed_QD, counts_e, handle.weight_Q)
+        return occult_experts(experts, routed_QD, counts_e, handle.weight_Q if handle.kernels == "epd" else None)
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         rec = recorder
@@ -105,12 +122,13 @@ class OccultDispatcher(SplitDispatcher):
         with span(rec, layer, "occult_index"):
             recv_RD, w_recv_Re = recv_RX[:, :D], recv_RX[:, D:]
             brim1 = build_brim1(uses_of(w_recv_Re))
-            # SFD -> EPD: one row per (token, local expert), grouped by expert; the fused
-            # path hands the experts the received rows and BRIM_1's row index instead
-            fused = self._fused(x_TD)
-            routed_QD = GatheredRows(recv_RD, brim1.row_Q) if fused else gather_rows(recv_RD, brim1.row_Q)
+            # SFD -> EPD: one row per (token, local expert), grouped by expert; the torch and
+            # triton paths hand the experts the received rows and BRIM_1's row index instead
+            kernels = self._kernels(x_TD)
+            routed_QD = (gather_rows(recv_RD, brim1.row_Q) if kernels == "epd"
+                         else GatheredRows(recv_RD, brim1.row_Q))
             weight_Q = w_recv_Re[brim1.row_Q, brim1.slot_Q]
-        handle = OccultHandle(brim0, brim1, weight_Q, send_P, recv_P, x_TD.shape[0], layer, rec, fused)
+        handle = OccultHandle(brim0, brim1, weight_Q, send_P, recv_P, x_TD.shape[0], layer, rec, kernels)
         return routed_QD, brim1.counts_e, handle
 
     def combine(self, y_QD, handle: OccultHandle):
@@ -119,8 +137,10 @@ class OccultDispatcher(SplitDispatcher):
         with span(rec, layer, "occult_merge"):
             # EPD -> SFD on the receiver: the rows of the same token summed (intra-device
             # pre-aggregation); gate weights were applied in the experts step, or here by
-            # the fused path's kernel
-            if handle.fused:
+            # the triton path's kernel; the torch path merged in its experts step
+            if handle.kernels == "torch":
+                merged_RD = y_QD
+            elif handle.kernels == "triton":
                 from ..kernels.fused import triton_weighted_scatter_add
                 merged_RD = weighted_scatter_add(R, handle.brim1.row_Q, y_QD, handle.weight_Q,
                                                  triton_weighted_scatter_add)

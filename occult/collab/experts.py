@@ -1,8 +1,17 @@
-"""Occult's experts step: the shared grouped experts, or, on a GPU with Triton, a fused
-kernel that reads each expert's rows straight from the received SFD buffer through
-BRIM_1's row index, so that EPD is never materialised in the forward pass.
+"""Occult's experts step, on the received SFD rows and BRIM_1's row index.
 
-Shapes: R received SFD rows, Q EPD rows (grouped by local expert), D hidden, e local experts.
+Three paths (``system.kernels``):
+  torch   per local expert: gather its rows from the received SFD buffer, run the
+          SwiGLU, weight, and add the outputs straight into the merged SFD rows
+          (:func:`merged_swiglu`). Neither EPD nor the experts' [Q, D] outputs exist at
+          full size, only one expert's rows at a time (a custom backward does the same).
+  epd     the token states one by one: EPD materialised (a [Q, D] gather), the shared
+          grouped experts, then the merge as a scatter-add (the dispatcher's combine).
+  triton  on a GPU: a kernel that reads each expert's rows through BRIM_1's row index
+          (:func:`occult.kernels.fused.gathered_swiglu`) and a merge kernel.
+
+Shapes: R received SFD rows, Q EPD rows (grouped by local expert), D hidden, F expert
+FFN size, e local experts.
 """
 from __future__ import annotations
 
@@ -10,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as nnf
 from torch import nn
 
 from ..ep.permute import gather_rows
@@ -18,7 +28,7 @@ from ..ep.permute import gather_rows
 @dataclass(frozen=True)
 class GatheredRows:
     """The EPD rows ``source_RD[index_Q]``, not materialised: what Occult's dispatch hands
-    its experts step on the fused path."""
+    its experts step on the fused paths."""
 
     source_RD: torch.Tensor
     index_Q: torch.Tensor
@@ -31,7 +41,7 @@ def occult_experts(experts: nn.Module, routed, counts_e: torch.Tensor,
                    weight_Q: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The rank's experts (:class:`occult.ep.GroupedExperts`) on Occult's EPD rows: [Q, D].
     ``routed`` is the EPD tensor (``weight_Q``: each row's gate weight, applied to its
-    hidden row), or :class:`GatheredRows` (the fused path, unweighted: the Triton
+    hidden row), or :class:`GatheredRows` (the Triton path, unweighted: the Triton
     gather-fused grouped matmul when it can run on these tensors, else gathered first)."""
     if not isinstance(routed, GatheredRows):
         return experts(routed, counts_e, weight_Q)
@@ -41,3 +51,79 @@ def occult_experts(experts: nn.Module, routed, counts_e: torch.Tensor,
         return gathered_swiglu(routed.source_RD, routed.index_Q, counts_e, experts.w_gate, experts.w_up,
                                experts.w_down)
     return experts(routed.materialize(), counts_e)
+
+
+def _segments(sizes: list):
+    """(local expert, slice of its EPD rows) for each expert, in EPD order."""
+    start = 0
+    for s, n in enumerate(sizes):
+        yield s, slice(start, start + n)
+        start += n
+
+
+class _MergedSwiGLU(torch.autograd.Function):
+    """out_RD[row_Q[q]] += weight_Q[q] * expert_{slot(q)}(source_RD[row_Q[q]]), one expert
+    at a time. Saves the source, the index, the weights and the two [Q, F] pre-activations;
+    the backward gathers each expert's rows and output gradients again, one expert at a
+    time, and adds its input gradients straight into one [R, D] buffer."""
+
+    @staticmethod
+    def forward(ctx, source_RD, weight_Q, row_Q, sizes, w_gate_eDF, w_up_eDF, w_down_eFD):
+        Q, F = row_Q.numel(), w_gate_eDF.shape[2]
+        out_RD = source_RD.new_zeros(source_RD.shape)
+        gate_QF, up_QF = source_RD.new_empty(Q, F), source_RD.new_empty(Q, F)
+        for s, seg in _segments(sizes):
+            idx_n = row_Q[seg]
+            x_nD = source_RD.index_select(0, idx_n)
+            torch.mm(x_nD, w_gate_eDF[s], out=gate_QF[seg])
+            torch.mm(x_nD, w_up_eDF[s], out=up_QF[seg])
+            h_nF = nnf.silu(gate_QF[seg]).mul_(up_QF[seg]).mul_(weight_Q[seg].unsqueeze(1))
+            out_RD.index_add_(0, idx_n, h_nF @ w_down_eFD[s])
+        ctx.sizes = sizes
+        ctx.save_for_backward(source_RD, weight_Q, row_Q, w_gate_eDF, w_up_eDF, w_down_eFD, gate_QF, up_QF)
+        return out_RD
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        source_RD, weight_Q, row_Q, w_gate, w_up, w_down, gate_QF, up_QF = ctx.saved_tensors
+        need_x, need_w, _, _, need_wg, need_wu, need_wd = ctx.needs_input_grad
+        grad_src = torch.zeros_like(source_RD) if need_x else None
+        grad_weight = torch.empty_like(weight_Q) if need_w else None
+        grad_wg = torch.empty_like(w_gate) if need_wg else None
+        grad_wu = torch.empty_like(w_up) if need_wu else None
+        grad_wd = torch.empty_like(w_down) if need_wd else None
+        for s, seg in _segments(ctx.sizes):
+            idx_n = row_Q[seg]
+            gy_nD = grad_RD.index_select(0, idx_n)
+            g_nF, u_nF, w_n1 = gate_QF[seg], up_QF[seg], weight_Q[seg].unsqueeze(1)
+            sig_nF = torch.sigmoid(g_nF)
+            a_nF = g_nF * sig_nF                                   # silu(gate)
+            h0_nF = a_nF * u_nF                                    # the unweighted hidden row
+            if need_wd:
+                torch.mm((h0_nF * w_n1).t(), gy_nD, out=grad_wd[s])
+            gh_nF = gy_nD @ w_down[s].t()
+            if need_w:
+                grad_weight[seg] = (gh_nF * h0_nF).sum(1)
+            gh_nF.mul_(w_n1)
+            gu_nF = gh_nF * a_nF
+            gg_nF = gh_nF.mul_(u_nF).mul_(sig_nF * (1 + g_nF * (1 - sig_nF)))   # silu'(gate)
+            if need_wg or need_wu:
+                x_nD = source_RD.index_select(0, idx_n)
+                if need_wg:
+                    torch.mm(x_nD.t(), gg_nF, out=grad_wg[s])
+                if need_wu:
+                    torch.mm(x_nD.t(), gu_nF, out=grad_wu[s])
+            if need_x:
+                gx_nD = gg_nF @ w_gate[s].t()
+                grad_src.index_add_(0, idx_n, gx_nD.addmm_(gu_nF, w_up[s].t()))
+        return grad_src, grad_weight, None, None, grad_wg, grad_wu, grad_wd
+
+
+def merged_swiglu(experts: nn.Module, rows: GatheredRows, counts_e: torch.Tensor,
+                  weight_Q: torch.Tensor) -> torch.Tensor:
+    """Occult's experts step and merge in one, on the PyTorch path: for each EPD row q,
+    ``weight_Q[q] * expert(rows.source_RD[rows.index_Q[q]])`` summed into its SFD row:
+    [R, D] -> [R, D], differentiable in the rows, the weights and the experts."""
+    sizes = counts_e.tolist()            # device-to-host sync: the experts' segment sizes
+    return _MergedSwiGLU.apply(rows.source_RD, weight_Q, rows.index_Q, sizes, experts.w_gate, experts.w_up,
+                               experts.w_down)

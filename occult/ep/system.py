@@ -115,6 +115,12 @@ class SystemConfig:
         is exact already or its loss cannot be switched off."""
         return {}
 
+    def other_exact_paths(self) -> list:
+        """Options that run the same exact result through other code (e.g. another kernel
+        path): each dict of options is checked against the reference by the parity suite
+        beside the defaults. ``[]`` when the system has one path."""
+        return []
+
     def layer_placement(self, layer: int, num_experts: int, world_size: int) -> Placement:
         """The placement of MoE layer ``layer`` (contiguous unless a system says otherwise,
         e.g. from a placement artifact named in its options)."""
