@@ -511,6 +511,44 @@ def test_bench_report_gives_ratios_efficiency_and_targets(tmp_path):
     assert (tmp_path / "bench.md").is_file() and (tmp_path / "bench.csv").is_file()
 
 
+def bench_model_run(run_dir: Path, workload: str, naive_ms: float, occult_ms: float, raws: dict) -> None:
+    """A task=bench_model run folder: each system's latency rows (decode: a prompt and two
+    tokens per iteration) and its replayed collectives (``raws``: system -> raw ms per
+    collective, two collectives per rank and iteration)."""
+    rows = []
+    for system, ms in (("naive", naive_ms), ("occult", occult_ms)):
+        tag = {"system": system, "impl": "harness", "system_options": "{}", "run_id": f"m/{workload}/{system}"}
+        for s in range(3):
+            if workload == "decode":
+                rows.append({**row("ttft", 2 * ms, "ms", phase="decode", sample=s), **tag})
+                rows += [{**row("token_latency", ms, "ms", phase="decode", sample=2 * s + k), **tag} for k in range(2)]
+            else:
+                rows.append({**row("ttft", ms, "ms", phase="prefill", sample=s), **tag})
+            for rank in range(2):
+                for phase in ("dispatch", "combine"):
+                    rows.append({**row("raw_a2a_time", raws[system] * (1 + rank), "ms", layer=0, rank=rank,
+                                       phase=phase, direction="forward", sample=s), **tag})
+    ctx = {**_context("naive", "olmoe_proxy", "bench_model", 2, 64, 8, 128, 64), "task": "bench_model"}
+    write_results(make_frame(rows, ctx), run_dir)
+
+
+def test_bench_models_say_what_the_bytes_alone_can_buy(tmp_path):
+    """a2a_only_ratio = (naive's iteration - naive's raw all-to-all + occult's) / naive's
+    iteration, raw summed per rank (slowest rank); decode's iteration is its prompt and tokens."""
+    from analysis.bench import model_table
+    from analysis.load import load_runs
+    bench_model_run(tmp_path / "p", "prefill", 100.0, 90.0, {"naive": 10.0, "occult": 4.0})
+    bench_model_run(tmp_path / "d", "decode", 5.0, 5.0, {"naive": 2.0, "occult": 1.0})
+    table = model_table(load_runs([tmp_path])).set_index(["workload", "system"])
+    occ = table.loc[("prefill", "occult")]
+    assert occ.latency_ratio == pytest.approx(0.9)
+    assert occ.raw_a2a_ratio == pytest.approx(0.4)                           # 2 x 8 ms vs 2 x 20 ms
+    assert occ.a2a_only_ratio == pytest.approx((100 - 40 + 16) / 100)
+    dec = table.loc[("decode", "occult")]
+    assert table.loc[("decode", "naive"), "iteration_ms"] == pytest.approx(20.0)   # 10 + 2 x 5
+    assert dec.a2a_only_ratio == pytest.approx((20 - 8 + 4) / 20)
+
+
 def lossy_run(run_dir: Path, system: str, label: str, steps: int, pydoc_loss: float, bytes_per_token: float,
               ttft_ms: float, rows_per_peer: int):
     """A lossy_front point: a finetune run with its evaluation bytes and timing probe."""

@@ -108,3 +108,17 @@ def test_merged_experts_step_equals_epd_then_merge(needs):
     assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12)
     for a, b in zip(torch.autograd.grad(got, inputs, grad_RD), torch.autograd.grad(ref, inputs, grad_RD)):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), (a - b).abs().max()
+
+
+def test_auto_fuses_the_experts_step_only_for_a_large_epd():
+    """kernels=auto on a CPU: EPD materialised while [Q, D] is at most FUSE_FROM_BYTES,
+    the fused loop above; torch and epd are taken whatever the size."""
+    from occult.collab.dispatcher import FUSE_FROM_BYTES, OccultDispatcher
+    from occult.ep import system_config
+    from occult.ep.comm import EPGroup
+    x_TD = torch.zeros(4, 128)
+    rows_at_bound = FUSE_FROM_BYTES // (128 * 4)
+    for kernels, small, large in (("auto", "epd", "torch"), ("torch", "torch", "torch"), ("epd", "epd", "epd")):
+        config = system_config({"name": "occult", "_target_": OCCULT, "kernels": kernels})
+        d = OccultDispatcher(EPGroup(), Placement.contiguous(8, 1), config)
+        assert (d._kernels(x_TD, rows_at_bound), d._kernels(x_TD, rows_at_bound + 1)) == (small, large), kernels

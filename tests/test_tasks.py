@@ -75,5 +75,10 @@ def test_bench_model_times_two_systems_in_one_world(tmp_path):
         mine = df[df.system == system]
         assert (mine[mine.metric == "parity_checked"].value == 1).all()
         assert len(mine[(mine.metric == "ttft") & (mine["rank"] == -1)]) == 2
+        # the replay iterations: every collective beside its plain all_to_all_single, per rank
+        raw = mine[mine.metric == "raw_a2a_time"]
+        paired = mine[mine.metric == "a2a_time_paired"]
+        assert len(raw) == len(paired) > 0 and (raw.value > 0).all() and set(raw["rank"]) == {0, 1}
+        assert set(raw["sample"]) == {0, 1}
     occ = df[(df.system == "occult") & (df.metric == "bytes")].value.sum()
     assert 0 < occ < df[(df.system == "naive") & (df.metric == "bytes")].value.sum()

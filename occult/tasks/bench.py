@@ -14,7 +14,8 @@ system is first checked against the single-device reference; then the systems'
 iterations alternate, so that machine noise hits them alike. After the timed layer
 iterations, more iterations replay each collective right after itself as a plain
 ``all_to_all_single`` of the same split sizes (``raw_a2a_time`` beside
-``a2a_time_paired``): the harness's own overhead. Each system's
+``a2a_time_paired``): the harness's own overhead; for whole models the same replay gives
+what the bytes alone can buy at the proxy's width (:func:`model_replay_rows`). Each system's
 rows carry its own ``system``, ``impl``, ``system_options`` and ``run_id``;
 :func:`analysis.bench.bench_report` turns them into ratios.
 """
@@ -124,11 +125,34 @@ def replay_rows(ctx, layers: list, recs: list, inputs: tuple, reps: int) -> list
         for i, layer in enumerate(layers):
             rec = Recorder(rank=ctx.rank, sync_collectives=True, raw_replay=True)
             time_iteration(ctx, layer, x_TD, ids_TK, grad_TD, rec, sample, True)
-            for ev in rec.comm:
-                where = dict(layer=ev.layer, rank=ctx.rank, phase=ev.phase, direction=ev.direction, sample=sample)
-                out[i] += [row("a2a_time_paired", ev.seconds * 1e3, "ms", **where),
-                           row("raw_a2a_time", ev.raw_seconds * 1e3, "ms", **where)]
+            out[i] += _replayed(ctx, rec, sample)
     return out
+
+
+def model_replay_rows(ctx, works: list, reps: int) -> list:
+    """:func:`replay_rows` for whole models: ``reps`` more iterations of each system's
+    workload, every collective timed after a barrier and replayed as a plain
+    ``all_to_all_single`` of its split sizes. What the bytes alone can buy at the proxy's
+    width: the report's ``a2a_only_ratio``. Not timed samples of the workload."""
+    out = [[] for _ in works]
+    for sample in range(reps):
+        for i, work in enumerate(works):
+            rec = Recorder(rank=ctx.rank, sync_collectives=True, raw_replay=True)
+            barrier(ctx.ep)
+            work.step(rec, sample)
+            out[i] += _replayed(ctx, rec, sample)
+    return out
+
+
+def _replayed(ctx, rec: Recorder, sample: int) -> list:
+    """``a2a_time_paired`` and ``raw_a2a_time`` rows of each collective a replaying
+    recorder logged."""
+    rows = []
+    for ev in rec.comm:
+        where = dict(layer=ev.layer, rank=ctx.rank, phase=ev.phase, direction=ev.direction, sample=sample)
+        rows += [row("a2a_time_paired", ev.seconds * 1e3, "ms", **where),
+                 row("raw_a2a_time", ev.raw_seconds * 1e3, "ms", **where)]
+    return rows
 
 
 def model_rank(ctx, cfg_dict: dict) -> list:
@@ -157,9 +181,11 @@ def model_rank(ctx, cfg_dict: dict) -> list:
             recs[i].clear()
             barrier(ctx.ep)
             rows[i] += work.step(recs[i], sample)
+    replayed = model_replay_rows(ctx, works, t.iters) if ctx.world_size > 1 else [[] for _ in works]
     base_id = f"{cfg.experiment_name}/bench_model/{m.name}/{t.workload}/{cfg.cluster.name}"
     out = []
     quiet = OmegaConf.merge(cfg, {"task": {"save_routing": False}})
     for i, config in enumerate(systems):
-        out += _tagged(_finish(ctx, quiet, recs[i], rows[i], works[i].model), config, base_id, ctx.world_size)
+        rows_i = _finish(ctx, quiet, recs[i], rows[i], works[i].model) + replayed[i]
+        out += _tagged(rows_i, config, base_id, ctx.world_size)
     return out
