@@ -483,6 +483,11 @@ def bench_layer_run(run_dir: Path, shape: str, naive_ms: float, occult_ms: float
                                        direction=direction, sample=s), **tag})
                 rows.append({**row("time", ms * 0.1, "ms", layer=0, rank=rank, phase=f"{system}_index", sample=s),
                              **tag})
+                for phase, share in (("route", 0.05), ("experts", 0.3)):
+                    rows.append({**row("time", ms * share * (1 + rank), "ms", layer=0, rank=rank, phase=phase,
+                                       direction="forward", sample=s), **tag})
+                rows.append({**row("a2a_time", ms * 0.2 * (1 + rank), "ms", layer=0, rank=rank, phase="dispatch",
+                                   direction="forward", sample=s), **tag})
                 rows.append({**row("a2a_time_paired", 1.0, "ms", layer=0, rank=rank, phase="dispatch",
                                    direction="forward", sample=s), **tag})
                 rows.append({**row("raw_a2a_time", raw, "ms", layer=0, rank=rank, phase="dispatch",
@@ -503,9 +508,12 @@ def test_bench_report_gives_ratios_efficiency_and_targets(tmp_path):
     assert layers.loc[("bench_comm", "occult"), "layer_fwd_ms_ratio"] == pytest.approx(0.5)
     assert layers.loc[("bench_comm", "occult"), "own_index_work_share_fwd"] == pytest.approx(0.1)
     assert layers.loc[("bench_comm", "naive"), "a2a_efficiency"] == pytest.approx(0.9)
+    # route + collectives + experts of the slowest rank (rank 1: twice rank 0's), over naive's layer
+    assert layers.loc[("bench_comm", "occult"), "layer_fwd_floor_ratio"] == pytest.approx(2 * 0.55 * 5.0 / 10.0)
     targets = tables["bench_targets"].set_index("target")
     assert bool(targets.loc["comm-bound layer, forward", "met"])                 # 0.5 <= 0.58
     assert not bool(targets.loc["OLMoE-shaped layer, forward", "met"])           # 0.95 > 0.90
+    assert targets.loc["OLMoE-shaped layer, forward", "measured_floor"] == pytest.approx(2 * 0.55 * 9.5 / 10.0)
     assert targets.loc["all-to-all bandwidth vs plain all_to_all_single, min over systems and shapes",
                        "measured"] == pytest.approx(0.45)
     assert (tmp_path / "bench.md").is_file() and (tmp_path / "bench.csv").is_file()
