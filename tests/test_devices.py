@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from occult.config import CONF_DIR, register
 from occult.dist import RankFailed, launch
-from occult.ep import import_object
+from occult.ep import import_object, system_config
 from occult.parity import LayerCase, run_grid
 from occult.placement import save_placements
 from occult.ep import Placement
@@ -67,6 +67,16 @@ def every_job(tmp_path: Path) -> list:
             out = tmp_path / f"{name}-{task}"
             cfg_dict = _cfg(overrides, out)
             jobs.append((f"{name}/{task}", cfg_dict["task"]["entry"], cfg_dict))
+        # a system's other exact paths (e.g. Occult's fused experts step, which auto takes only
+        # for a large EPD), on one layer forward and backward and in training
+        config = system_config(yaml_cfg)
+        for path in config.other_exact_paths() if config.is_exact() else []:
+            options = [f"system.{k}={v}" for k, v in path.items()]
+            for task, model in (("layer", "layer_small"), ("train", "olmoe_proxy")):
+                overrides = [f"system={name}", f"task={task}", f"model={model}", f"cluster=cpu{P}", *TINY, *extra,
+                             *options]
+                cfg_dict = _cfg(overrides, tmp_path / f"{name}-{task}-{'-'.join(options)}")
+                jobs.append((f"{name}{path}/{task}", cfg_dict["task"]["entry"], cfg_dict))
     return jobs
 
 
