@@ -13,8 +13,9 @@ and its ratios to the first system of ``task.compare``:
   (spans named ``<system>_*``), the activation memory each keeps for backward, and the
   all-to-all bandwidth each achieved against a plain ``all_to_all_single`` of the same
   split sizes in the same world (``a2a_efficiency``: the harness's own overhead), and
-  the forward layer's measured floor (``layer_fwd_floor_ratio``: route, collectives and
-  experts step only, over the baseline's layer);
+  the layer's measured floor, forward and forward+backward (``layer_fwd_floor_ratio``,
+  ``layer_fwd_bwd_floor_ratio``: route, collectives and experts step only, over the
+  baseline's layer);
 * whole models: the task's latency (prefill: time to first token; decode: per-token
   latency; train: step time), slowest rank, median over samples, and its ratio; and what
   the bytes alone can buy there: ``raw_a2a_ratio``, the plain ``all_to_all_single`` replay
@@ -43,7 +44,7 @@ TARGETS = [("comm-bound layer, forward", "bench_comm", "layer_fwd_ms_ratio", 0.5
 
 
 # what a target's measured floor is (the targets table's floor_is column)
-FLOOR_IS = {"layer": "route + collectives + experts step, index work and waits free (layer_fwd_floor_ratio)",
+FLOOR_IS = {"layer": "route + collectives + experts step, index work and waits free (layer_*_floor_ratio)",
             "models": "only the collectives' plain all_to_all_single time differs from naive (a2a_only_ratio)"}
 
 
@@ -54,9 +55,10 @@ def ratio_table(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
     table["activation_MB_max_rank"] = table.run_dir.map(act)
     table["own_index_work_share_fwd"] = table.run_dir.map(_index_share(df))
     table["a2a_efficiency"] = table.run_dir.map(_a2a_efficiency(df))
-    table["layer_fwd_floor_ms"] = table.run_dir.map(_forward_floor(df))
-    base_layer = table[table.system == baseline].set_index("model").layer_fwd_ms
-    table["layer_fwd_floor_ratio"] = table.layer_fwd_floor_ms / table.model.map(base_layer)
+    for col, passes in (("layer_fwd", ("forward",)), ("layer_fwd_bwd", ("forward", "backward"))):
+        table[f"{col}_floor_ms"] = table.run_dir.map(_floor(df, passes))
+        base_layer = table[table.system == baseline].set_index("model")[f"{col}_ms"]
+        table[f"{col}_floor_ratio"] = table[f"{col}_floor_ms"] / table.model.map(base_layer)
     cols = ["dispatch_remote_MB", "a2a_dispatch_fwd_ms", "a2a_combine_fwd_ms", "a2a_dispatch_bwd_ms",
             "a2a_combine_bwd_ms", "layer_fwd_ms", "layer_fwd_bwd_ms", "activation_MB_max_rank"]
     for col in cols:
@@ -92,13 +94,14 @@ def _index_share(df: pd.DataFrame) -> pd.Series:
     return (own_s / lay_s).groupby(["run_dir", "sample"]).max().groupby("run_dir").median()
 
 
-def _forward_floor(df: pd.DataFrame) -> pd.Series:
-    """Per run, the forward layer with everything but routing, the collectives and the
-    experts step free (index work, permutations, the wait for the slowest peer): route +
-    every forward collective's time + the experts span, summed per rank; slowest rank,
-    median over samples. Over the baseline's layer time: the ratio that system could reach
-    at best with its collectives and its experts step as they are."""
-    t = df[(df["pass"] == "forward") & (df["sample"] >= 0)]
+def _floor(df: pd.DataFrame, passes: tuple) -> pd.Series:
+    """Per run, the layer in ``passes`` with everything but routing, the collectives and
+    the experts step free (index work, permutations, the wait for the slowest peer): route
+    + every collective's time + the experts spans (forward, and backward: from the
+    outputs' gradient to the inputs', :func:`occult.ep.accounting.backward_span`), summed
+    per rank; slowest rank, median over samples. Over the baseline's layer time: the ratio
+    that system could reach at best with its collectives and its experts step as they are."""
+    t = df[df["pass"].isin(list(passes)) & (df["sample"] >= 0)]
     parts = t[((t.metric == "time") & t.phase.isin(["route", "experts"])) | (t.metric == "a2a_time")]
     if parts.empty:
         return pd.Series(dtype=float)
@@ -185,8 +188,9 @@ def targets_table(layers: pd.DataFrame, models: pd.DataFrame, system: str = "occ
     for what, shape, col, bound in TARGETS:
         sel = layers[(layers.model == shape) & (layers.system == system)] if not layers.empty else layers
         value = float(sel[col].iloc[0]) if not sel.empty and col in sel else float("nan")
-        floor = float(sel.layer_fwd_floor_ratio.iloc[0]) if col == "layer_fwd_ms_ratio" and not sel.empty \
-            and "layer_fwd_floor_ratio" in sel else float("nan")
+        floor_col = col.replace("_ms_ratio", "_floor_ratio")
+        floor = float(sel[floor_col].iloc[0]) if floor_col.startswith("layer_") and not sel.empty \
+            and floor_col in sel else float("nan")
         rows.append({"target": what, "bound": f"<= {bound}", "measured": value, "met": value <= bound,
                      "measured_floor": floor, "floor_is": FLOOR_IS["layer"] if floor == floor else ""})
     if not models.empty:
@@ -244,7 +248,8 @@ def bench_report(df: pd.DataFrame, out_dir) -> list:
              "dispatch_rows_per_token"] + [c for c in layers.columns if c.endswith("_ms_ratio") or c.endswith("MB_ratio")
                                            or c == "activation_MB_max_rank_ratio"] + \
             ["layer_forward_paired_ratio_range", "layer_forward+backward_paired_ratio_range",
-             "own_index_work_share_fwd", "a2a_efficiency", "layer_fwd_floor_ratio", "layer_fwd_ms", "layer_fwd_bwd_ms",
+             "own_index_work_share_fwd", "a2a_efficiency", "layer_fwd_floor_ratio", "layer_fwd_bwd_floor_ratio",
+             "layer_fwd_ms", "layer_fwd_bwd_ms",
              "activation_MB_max_rank"]
     tables, md = [], []
     if not layers.empty:
@@ -263,8 +268,8 @@ def bench_report(df: pd.DataFrame, out_dir) -> list:
             "alternate); times are the slowest rank's, median over samples; layer collectives are timed after "
             "a barrier (the transfer, not the wait for the slowest peer). a2a_efficiency: a plain "
             "all_to_all_single of the same split sizes over the harness's collective, summed over the run's "
-            "collectives. layer_fwd_floor_ratio: the system's route, forward collectives and experts step "
-            "over the baseline's forward layer (its index work and waits free). Whole models: raw_a2a_ratio, the plain all_to_all_single replay of an iteration's "
+            "collectives. layer_fwd_floor_ratio (layer_fwd_bwd_floor_ratio): the system's route, collectives and "
+            "experts step, forward (and backward), over the baseline's layer (its index work and waits free). Whole models: raw_a2a_ratio, the plain all_to_all_single replay of an iteration's "
             "collectives against the baseline's; a2a_only_ratio, the ratio if the only difference from the "
             "baseline were that transfer time (what the bytes alone can buy here). The targets' measured_floor: "
             "the floor named in floor_is."]

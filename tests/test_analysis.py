@@ -488,6 +488,8 @@ def bench_layer_run(run_dir: Path, shape: str, naive_ms: float, occult_ms: float
                                        direction="forward", sample=s), **tag})
                 rows.append({**row("a2a_time", ms * 0.2 * (1 + rank), "ms", layer=0, rank=rank, phase="dispatch",
                                    direction="forward", sample=s), **tag})
+                rows.append({**row("time", ms * 0.4 * (1 + rank), "ms", layer=0, rank=rank, phase="experts",
+                                   direction="backward", sample=s), **tag})
                 rows.append({**row("a2a_time_paired", 1.0, "ms", layer=0, rank=rank, phase="dispatch",
                                    direction="forward", sample=s), **tag})
                 rows.append({**row("raw_a2a_time", raw, "ms", layer=0, rank=rank, phase="dispatch",
@@ -510,6 +512,7 @@ def test_bench_report_gives_ratios_efficiency_and_targets(tmp_path):
     assert layers.loc[("bench_comm", "naive"), "a2a_efficiency"] == pytest.approx(0.9)
     # route + collectives + experts of the slowest rank (rank 1: twice rank 0's), over naive's layer
     assert layers.loc[("bench_comm", "occult"), "layer_fwd_floor_ratio"] == pytest.approx(2 * 0.55 * 5.0 / 10.0)
+    assert layers.loc[("bench_comm", "occult"), "layer_fwd_bwd_floor_ratio"] == pytest.approx(2 * 0.95 * 5.0 / 25.0)
     targets = tables["bench_targets"].set_index("target")
     assert bool(targets.loc["comm-bound layer, forward", "met"])                 # 0.5 <= 0.58
     assert not bool(targets.loc["OLMoE-shaped layer, forward", "met"])           # 0.95 > 0.90

@@ -92,3 +92,41 @@ def test_reference_moe_is_dense_mixture():
         expect = sum(wt[t, k] * swiglu(x[t:t + 1], w["w_gate"][ids[t, k]], w["w_up"][ids[t, k]],
                                          w["w_down"][ids[t, k]]) for k in range(K))
         assert torch.allclose(out[t:t + 1], expect)
+
+
+def test_backward_span_times_the_blocks_backward_only():
+    """backward_span: from the output's gradient to the last input's, once per backward;
+    nothing without a recorder or a gradient."""
+    import time
+    from dataclasses import dataclass
+    from occult.ep.accounting import Recorder, backward_span
+
+    class SlowBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            return a * b
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(0.05)
+            return g, g
+
+    @dataclass(frozen=True)
+    class Rows:
+        a: torch.Tensor
+        index: torch.Tensor           # no gradient: not waited for
+
+    rec = Recorder(rank=0)
+    a, b = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    pre = a * 2                                            # before the block
+    out = SlowBackward.apply(pre, b)
+    backward_span(rec, 1, "experts", Rows(pre, torch.arange(3)), out)
+    assert rec.spans == []                                 # the forward logs nothing
+    time.sleep(0.1)                                        # not part of the backward
+    (out * 3).sum().backward()
+    ((layer, name, direction, seconds),) = rec.spans
+    assert (layer, name, direction) == (1, "experts", "backward") and 0.05 <= seconds < 0.1
+    with torch.no_grad():
+        backward_span(rec, 1, "experts", a, a * 2)         # no gradient: no hooks, no span
+    backward_span(None, 1, "experts", a, a * 2)
+    assert len(rec.spans) == 1

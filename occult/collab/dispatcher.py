@@ -129,7 +129,7 @@ class OccultDispatcher(SplitDispatcher):
         recv_RX = all_to_all_rows(sfd_RX, send_P, recv_P, self.ep, Exchange(layer, "dispatch", rec, meta_cols=e),
                                   self.config.payload_of("dispatch"))
         with span(rec, layer, "occult_index"):
-            recv_RD, w_recv_Re = recv_RX[:, :D], recv_RX[:, D:]
+            recv_RD, w_recv_Re = split_columns(recv_RX, D)
             brim1 = build_brim1(uses_of(w_recv_Re))
             # SFD -> EPD: one row per (token, local expert), grouped by expert; the torch and
             # triton paths hand the experts the received rows and BRIM_1's row index instead
@@ -162,12 +162,59 @@ class OccultDispatcher(SplitDispatcher):
             return scatter_add_rows(handle.num_tokens, handle.brim0.token_R, back_RD)
 
 
+class _PackRows(torch.autograd.Function):
+    """The SFD send buffer, with a backward that allocates only the [T, D] gradient of the
+    tokens (autograd's cat, gather and in-place metadata write would clone the whole
+    [R, D + X] gradient and scatter it into a widened [T, D + X] one)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, token_R, meta_RX):
+        T, D = x_TD.shape
+        wide_TDX = torch.cat([x_TD, x_TD.new_zeros(T, meta_RX.shape[1])], dim=1)
+        out_RDX = gather_rows(wide_TDX, token_R)      # one gather of the widened tokens
+        out_RDX[:, D:] = meta_RX
+        ctx.save_for_backward(token_R)
+        ctx.shape_TD = (T, D)
+        return out_RDX
+
+    @staticmethod
+    def backward(ctx, grad_RDX):
+        (token_R,) = ctx.saved_tensors
+        T, D = ctx.shape_TD
+        grad_x = grad_meta = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_RDX.new_zeros(T, D).index_add_(0, token_R, grad_RDX[:, :D])
+        if ctx.needs_input_grad[2]:
+            grad_meta = grad_RDX[:, D:]
+        return grad_x, None, grad_meta
+
+
 def pack_rows(x_TD: torch.Tensor, token_R: torch.Tensor, meta_RX: torch.Tensor) -> torch.Tensor:
     """The SFD send buffer: row r is ``x_TD[token_R[r]]`` followed by ``meta_RX[r]``:
-    [T, D], [R], [R, X] -> [R, D + X], differentiable in both (one gather of the widened
-    tokens, then the metadata written into the new columns)."""
-    X = meta_RX.shape[1]
-    wide_TDX = torch.cat([x_TD, x_TD.new_zeros(x_TD.shape[0], X)], dim=1)
-    out_RDX = gather_rows(wide_TDX, token_R)
-    out_RDX[:, x_TD.shape[1]:] = meta_RX
-    return out_RDX
+    [T, D], [R], [R, X] -> [R, D + X], differentiable in both."""
+    return _PackRows.apply(x_TD, token_R, meta_RX)
+
+
+class _SplitColumns(torch.autograd.Function):
+    """[R, D + X] -> views ([R, D], [R, X]), with a backward that writes both gradients into
+    one [R, D + X] buffer (autograd's two slices would each make a zero-filled full-size
+    gradient, then add them). An unused output's gradient arrives as zeros (autograd
+    materialises it)."""
+
+    @staticmethod
+    def forward(ctx, rows_RDX, D):
+        ctx.D = D
+        return rows_RDX[:, :D], rows_RDX[:, D:]
+
+    @staticmethod
+    def backward(ctx, grad_RD, grad_RX):
+        D = ctx.D
+        out_RDX = grad_RD.new_empty(grad_RD.shape[0], D + grad_RX.shape[1])
+        out_RDX[:, :D] = grad_RD
+        out_RDX[:, D:] = grad_RX
+        return out_RDX, None
+
+
+def split_columns(rows_RDX: torch.Tensor, D: int) -> tuple:
+    """The received SFD rows and their metadata: [R, D + X] -> ([R, D], [R, X])."""
+    return _SplitColumns.apply(rows_RDX, D)

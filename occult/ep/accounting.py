@@ -116,6 +116,38 @@ def span(recorder: "Recorder | None", layer: int, name: str, direction: str = "f
     return nullcontext() if recorder is None else recorder.span(layer, name, direction)
 
 
+def backward_span(recorder: "Recorder | None", layer: int, name: str, inputs, output: torch.Tensor) -> None:
+    """Times the backward of the block that made ``output`` from ``inputs`` (a tensor or a
+    dataclass of tensors, e.g. rows handed over unmaterialised): from the moment the
+    output's gradient is ready to the moment every input that needs one has its own,
+    logged as span ``(layer, name, "backward")``. Tensor hooks, registered on this call's
+    tensors (nothing is kept on the recorder until the backward runs); a no-op without a
+    recorder or when nothing needs a gradient."""
+    if recorder is None or not output.requires_grad:
+        return
+    if isinstance(inputs, torch.Tensor):
+        tensors = [inputs]
+    else:
+        tensors = [getattr(inputs, f) for f in getattr(inputs, "__dataclass_fields__", {})]
+    waiting = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not waiting:
+        return
+    started: list = []
+    left = [len(waiting)]
+
+    def start(grad):
+        started.append(clock())
+
+    def end(grad):
+        left[0] -= 1
+        if left[0] == 0 and started:
+            recorder.spans.append((layer, name, "backward", clock() - started[0]))
+
+    output.register_hook(start)
+    for t in waiting:
+        t.register_hook(end)
+
+
 def devices_per_token(topk_ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
     """Distinct devices among each token's top-k experts: shape [T] (long)."""
     return device_hits(topk_ids_TK, placement).sum(1)

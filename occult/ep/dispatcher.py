@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Optional
 import torch
 from torch import nn
 
-from .accounting import Recorder, span
+from .accounting import Recorder, backward_span, span
 from .comm import EPGroup
 from .placement import Placement
 from .router import RoutingTransform
@@ -111,5 +111,6 @@ class SplitDispatcher(Dispatcher):
                 rec.log_counter(layer, name, value)
         with span(rec, layer, "experts"):
             y_RD = self.run_experts(experts, routed_RD, counts_e, handle)
+        backward_span(rec, layer, "experts", routed_RD, y_RD)
         with span(rec, layer, "combine"):
             return self.combine(y_RD, handle)
