@@ -57,9 +57,9 @@ class OccultHandle:
 KERNELS = ("auto", "torch", "epd", "triton")
 # auto's choice between the PyTorch paths, by the size of the EPD buffer [Q, D] a call would
 # materialise: above it the fused loop wins (its per-expert gathers and adds replace large
-# fresh buffers: 2-3x faster from 4 MiB, measured on this project's 2-core CPU machine);
-# below it the loop's extra per-expert operations cost more than the buffer (1.35x slower
-# at a 2 MiB, 128-wide EPD, e.g. a proxy model's prefill)
+# fresh buffers: 1.4-3x faster from 4 MiB, measured alone on one thread of this project's
+# 2-core CPU machine); below it the loop's extra per-expert operations can cost more than
+# the buffer (1.35x slower at a 2 MiB, 128-wide EPD, e.g. a proxy model's prefill)
 FUSE_FROM_BYTES = 2 << 20
 
 
