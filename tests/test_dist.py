@@ -32,5 +32,5 @@ def test_raising_rank_fails_the_run_with_its_traceback():
 def test_dead_rank_fails_the_run(peers_wait_in_collective):
     """The rank that died is named, not the peer whose connection it reset (which may
     report its error before the death is seen)."""
-    with pytest.raises(RankFailed, match="rank 0 of 3 died with exit code 3 and no Python traceback; the other"):
-        launch(helpers.exit_on_rank, 3, (0, peers_wait_in_collective), timeout_s=40, collective_timeout_s=20)
+    with pytest.raises(RankFailed, match="rank 0 of 2 died with exit code 3 and no Python traceback; the other"):
+        launch(helpers.exit_on_rank, 2, (0, peers_wait_in_collective), timeout_s=40, collective_timeout_s=20)

@@ -24,8 +24,8 @@ NODES = {1: 0, 2: 1, 3: 0, 4: 2}     # world size -> ranks per node (cluster.dev
 def cases_for(P: int) -> list:
     cases = []
     for E in EXPERTS:
-        if E % P:
-            continue
+        if E % P or (P == 4 and E == 60):     # 60 experts run at P = 2 and 3 (30 and 20 local); the
+            continue                          # P = 4 world, the slowest, keeps 8 and 64 (test time)
         e = E // P
         for K in TOPK:
             if K > E:
