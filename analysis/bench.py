@@ -23,7 +23,8 @@ and its ratios to the first system of ``task.compare``:
   ratio a system would reach if its only difference from the baseline were that
   replayed transfer time, (baseline's iteration - its raw all-to-all + the system's) /
   baseline's iteration;
-* the targets of the "Occult at its limit" work, each with its measured value.
+* the targets of the "Occult at its limit" work, each with its measured value and, where
+  one is measured, its floor (``measured_floor``, named in ``floor_is``).
 
 Nothing here starts ranks: it reads result tables.
 """
@@ -249,8 +250,7 @@ def bench_report(df: pd.DataFrame, out_dir) -> list:
                                            or c == "activation_MB_max_rank_ratio"] + \
             ["layer_forward_paired_ratio_range", "layer_forward+backward_paired_ratio_range",
              "own_index_work_share_fwd", "a2a_efficiency", "layer_fwd_floor_ratio", "layer_fwd_bwd_floor_ratio",
-             "layer_fwd_ms", "layer_fwd_bwd_ms",
-             "activation_MB_max_rank"]
+             "layer_fwd_ms", "layer_fwd_bwd_ms", "activation_MB_max_rank"]
     tables, md = [], []
     if not layers.empty:
         shown_layers = layers[[c for c in dict.fromkeys(shown) if c in layers]]
@@ -269,8 +269,9 @@ def bench_report(df: pd.DataFrame, out_dir) -> list:
             "a barrier (the transfer, not the wait for the slowest peer). a2a_efficiency: a plain "
             "all_to_all_single of the same split sizes over the harness's collective, summed over the run's "
             "collectives. layer_fwd_floor_ratio (layer_fwd_bwd_floor_ratio): the system's route, collectives and "
-            "experts step, forward (and backward), over the baseline's layer (its index work and waits free). Whole models: raw_a2a_ratio, the plain all_to_all_single replay of an iteration's "
-            "collectives against the baseline's; a2a_only_ratio, the ratio if the only difference from the "
+            "experts step, forward (and backward), over the baseline's layer (its index work and waits free). "
+            "Whole models: raw_a2a_ratio, the plain all_to_all_single replay of an iteration's collectives "
+            "against the baseline's; a2a_only_ratio, the ratio if the only difference from the "
             "baseline were that transfer time (what the bytes alone can buy here). The targets' measured_floor: "
             "the floor named in floor_is."]
     return [Section(title, text, tables)]
