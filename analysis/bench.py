@@ -175,7 +175,7 @@ def _iteration_ms(rows: pd.DataFrame, workload: str) -> float:
 
 
 def _raw_a2a_per_iteration(rows: pd.DataFrame) -> float:
-    """The plain ``all_to_all_single`` replay of every collective of an iteration (task=
+    """The plain ``all_to_all_single`` replay of every all-to-all of an iteration (task=
     bench_model's replay iterations), summed per rank: slowest rank, median over samples."""
     raw = rows[(rows.metric == "raw_a2a_time") & (rows["sample"] >= 0)]
     if raw.empty:

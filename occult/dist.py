@@ -316,7 +316,8 @@ def _supervise(procs, results, errors, timeout_s) -> list:
         failure = _first_error(errors)
         if failure is not None:
             rank, tb, reporters = failure
-            raise RankFailed(_silent_deaths(procs, out, reporters, errors) or f"rank {rank} of {len(procs)} failed:\n{tb}")
+            raise RankFailed(_silent_deaths(procs, out, reporters, errors)
+                             or f"rank {rank} of {len(procs)} failed:\n{tb}")
         for r, p in enumerate(procs):
             if r not in out and not p.is_alive() and p.exitcode not in (0, None):
                 failure = _first_error(errors, wait=1.0)

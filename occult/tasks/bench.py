@@ -145,10 +145,12 @@ def model_replay_rows(ctx, works: list, reps: int) -> list:
 
 
 def _replayed(ctx, rec: Recorder, sample: int) -> list:
-    """``a2a_time_paired`` and ``raw_a2a_time`` rows of each collective a replaying
-    recorder logged."""
+    """``a2a_time_paired`` and ``raw_a2a_time`` rows of each all-to-all a replaying
+    recorder logged (the other kinds of collective are not replayed: no rows)."""
     rows = []
     for ev in rec.comm:
+        if ev.raw_seconds < 0:
+            continue
         where = dict(layer=ev.layer, rank=ctx.rank, phase=ev.phase, direction=ev.direction, sample=sample)
         rows += [row("a2a_time_paired", ev.seconds * 1e3, "ms", **where),
                  row("raw_a2a_time", ev.raw_seconds * 1e3, "ms", **where)]
