@@ -111,7 +111,7 @@ def test_a_toy_system_from_a_folder_joins_a_fig1_sweep(toy):
     sweep = toy / "sweep"
     env = plain_env(PYTHONPATH=str(toy))
     run_py("experiment=fig1_latency", f"hydra.searchpath=[file://{toy / 'conf'}]", f"hydra.sweep.dir={sweep}",
-           "system=naive,toy", "model=olmoe_proxy", "task=prefill", *TINY, env=env)
+           "system=naive,toy", "model=olmoe_proxy", "task=prefill", "cluster=cpu2", *TINY, env=env)
     frames = [pd.read_parquet(p) for p in sweep.rglob("results.parquet")]
     assert sorted(df.system.iloc[0] for df in frames) == ["naive", "toy"]
     toy_rows = next(df for df in frames if df.system.iloc[0] == "toy")
@@ -204,10 +204,10 @@ def test_bad_input_is_one_line_without_a_traceback(overrides, line, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_sweep_shows_points_done_and_time_left(tmp_path):
-    proc = run_py("-m", "system=naive", "cluster=cpu1", "model.top_k=1,2,4", *SMALL,
+    proc = run_py("-m", "system=naive", "cluster=cpu1", "model.top_k=1,2", *SMALL,
                   f"hydra.sweep.dir={tmp_path / 'sweep'}")
     log = proc.stdout + proc.stderr
-    assert "[point 1/3]" in log and "[point 3/3]" in log and "(2 done, about" in log and "left)" in log
+    assert "[point 1/2]" in log and "[point 2/2]" in log and "(1 done, about" in log and "left)" in log
 
 
 @pytest.mark.timeout(60)
