@@ -52,7 +52,8 @@ def every_job(tmp_path: Path) -> list:
                                  for i in range(2)})
     jobs = []
     for name, yaml_cfg in system_configs().items():
-        expert_parallel = import_object(yaml_cfg["_target_"]).Config.expert_parallel
+        config = system_config(yaml_cfg)
+        expert_parallel = config.expert_parallel
         extra = [f"system.placement_file={placement_file}"] if name == "occult_placed" else []
         for task in TASKS:
             if not expert_parallel and task in ("layer", "finetune"):
@@ -69,7 +70,6 @@ def every_job(tmp_path: Path) -> list:
             jobs.append((f"{name}/{task}", cfg_dict["task"]["entry"], cfg_dict))
         # a system's other exact paths (e.g. Occult's fused experts step, which auto takes only
         # for a large EPD), on one layer forward and backward and in training
-        config = system_config(yaml_cfg)
         for path in config.other_exact_paths() if config.is_exact() else []:
             options = [f"system.{k}={v}" for k, v in path.items()]
             for task, model in (("layer", "layer_small"), ("train", "olmoe_proxy")):

@@ -51,7 +51,7 @@ class OccultHandle:
     num_tokens: int
     layer: int
     recorder: Optional[Recorder]
-    kernels: str = "epd"         # the path this call took: torch | epd | triton
+    kernels: str                 # the path this call took: torch | epd | triton
 
 
 KERNELS = ("auto", "torch", "epd", "triton")
