@@ -163,9 +163,9 @@ class OccultDispatcher(SplitDispatcher):
 
 
 class _PackRows(torch.autograd.Function):
-    """The SFD send buffer, with a backward that allocates only the [T, D] gradient of the
-    tokens (autograd's cat, gather and in-place metadata write would clone the whole
-    [R, D + X] gradient and scatter it into a widened [T, D + X] one)."""
+    """The SFD send buffer, with a backward that adds the gradient rows into one [T, D + X]
+    buffer and hands back its tokens' columns (autograd's cat, gather and in-place metadata
+    write would also clone the whole [R, D + X] gradient)."""
 
     @staticmethod
     def forward(ctx, x_TD, token_R, meta_RX):
@@ -183,7 +183,10 @@ class _PackRows(torch.autograd.Function):
         T, D = ctx.shape_TD
         grad_x = grad_meta = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_RDX.new_zeros(T, D).index_add_(0, token_R, grad_RDX[:, :D])
+            # the whole rows added, then the tokens' columns: an index_add_ from the strided
+            # [R, D] columns took 7x as long as from the contiguous rows (alone, on a CPU)
+            wide_TDX = grad_RDX.new_zeros(T, grad_RDX.shape[1])
+            grad_x = wide_TDX.index_add_(0, token_R, grad_RDX.contiguous())[:, :D]
         if ctx.needs_input_grad[2]:
             grad_meta = grad_RDX[:, D:]
         return grad_x, None, grad_meta
