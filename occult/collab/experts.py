@@ -70,9 +70,13 @@ TILE_BYTES = 2 << 20
 
 
 def _tiles(seg: slice, rows: int):
-    """``seg`` cut into consecutive slices of at most ``rows`` rows."""
-    for a in range(seg.start, seg.stop, rows):
-        yield slice(a, min(a + rows, seg.stop))
+    """``seg`` cut into consecutive slices of nearly equal size, ``rows`` to 2 ``rows`` rows
+    each (one slice when it is shorter): no short tail tile, whose products would read
+    the expert's weights for a few rows."""
+    n = seg.stop - seg.start
+    k = max(1, n // rows) if n else 0
+    for i in range(k):
+        yield slice(seg.start + i * n // k, seg.start + (i + 1) * n // k)
 
 
 def _tile_rows(source_RD: torch.Tensor) -> int:
