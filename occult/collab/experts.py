@@ -80,7 +80,10 @@ def _tiles(seg: slice, rows: int):
 
 
 def _tile_rows(source_RD: torch.Tensor) -> int:
-    """Rows per tile: :data:`TILE_BYTES` of ``source_RD``'s rows, at least one."""
+    """Rows per tile: :data:`TILE_BYTES` of ``source_RD``'s rows, at least one; on a GPU
+    (no cache to stay in, and a launch per product) an expert's rows are one tile."""
+    if source_RD.device.type not in ("cpu", "meta"):
+        return max(1, source_RD.shape[0])
     return max(1, TILE_BYTES // max(1, source_RD.shape[1] * source_RD.element_size()))
 
 
@@ -112,7 +115,7 @@ class _MergedSwiGLU(torch.autograd.Function):
     def backward(ctx, grad_RD):
         source_RD, weight_Q, row_Q, w_gate, w_up, w_down, gate_QF, up_QF = ctx.saved_tensors
         need_x, need_w, _, _, need_wg, need_wu, need_wd = ctx.needs_input_grad
-        e, D, F = w_gate.shape
+        _, D, F = w_gate.shape
         grad_src = torch.zeros_like(source_RD) if need_x else None
         grad_weight = torch.empty_like(weight_Q) if need_w else None
         grad_wg = torch.empty_like(w_gate) if need_wg else None
