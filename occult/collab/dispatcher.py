@@ -183,10 +183,11 @@ class _PackRows(torch.autograd.Function):
         T, D = ctx.shape_TD
         grad_x = grad_meta = None
         if ctx.needs_input_grad[0]:
-            # the whole rows added, then the tokens' columns: an index_add_ from the strided
-            # [R, D] columns took 7x as long as from the contiguous rows (alone, on a CPU)
+            # the whole rows added, then the tokens' columns copied out (a contiguous
+            # gradient for the layers below): an index_add_ from the strided [R, D] columns
+            # took 7x as long as from the contiguous rows (alone, on a CPU)
             wide_TDX = grad_RDX.new_zeros(T, grad_RDX.shape[1])
-            grad_x = wide_TDX.index_add_(0, token_R, grad_RDX.contiguous())[:, :D]
+            grad_x = wide_TDX.index_add_(0, token_R, grad_RDX.contiguous())[:, :D].contiguous()
         if ctx.needs_input_grad[2]:
             grad_meta = grad_RDX[:, D:]
         return grad_x, None, grad_meta
