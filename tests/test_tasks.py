@@ -63,6 +63,31 @@ def test_reference_system_trains_like_expert_parallel_naive(tmp_path):
     assert "rows" not in set(ref.metric) and "rows" in set(naive.metric)
 
 
+def test_bench_turns_reverse_the_order_every_other_sample():
+    """The compared systems run as listed in warm-up and even samples, reversed in odd ones."""
+    from occult.tasks.bench import turns
+    assert [turns(2, s) for s in (-1, 0, 1, 2, 3)] == [[0, 1], [0, 1], [1, 0], [0, 1], [1, 0]]
+    assert turns(3, 1) == [2, 1, 0] and turns(1, 1) == [0]
+
+
+@pytest.mark.timeout(300)
+def test_bench_times_one_layer_of_each_system_in_one_world(tmp_path):
+    """task=bench: naive and occult on one layer in one world, parity first, the samples'
+    layer times forward and backward and the activation memory of each, the replay's rows."""
+    run_py("task=bench", "model=layer_small", "task.tokens_per_rank=32", "cluster=cpu2", "task.warmup=0",
+           "task.iters=2", f"out_dir={tmp_path}")
+    df = pd.read_parquet(tmp_path / "results.parquet")
+    assert set(df.system) == {"naive", "occult"} and set(df.task) == {"bench"}
+    for system in ("naive", "occult"):
+        mine = df[df.system == system]
+        assert (mine[mine.metric == "parity_checked"].value == 1).all()
+        layer = mine[(mine.metric == "time") & (mine.phase == "layer")]
+        assert set(zip(layer["pass"], layer["sample"], layer["rank"])) == \
+            {(p, s, r) for p in ("forward", "backward", "forward+backward") for s in (0, 1) for r in (0, 1)}
+        assert (mine[mine.metric == "activation_bytes"].value > 0).all()
+        assert (mine[mine.metric == "raw_a2a_time"].value > 0).all()
+
+
 @pytest.mark.timeout(300)
 def test_bench_model_times_two_systems_in_one_world(tmp_path):
     """task=bench_model: naive and occult rank models from the same weights, parity first,

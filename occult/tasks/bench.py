@@ -11,8 +11,8 @@ routing, same tokens.
 ``task.workload`` (prefill, decode or train, the tasks' own iterations,
 :mod:`occult.tasks.model`), one rank model per system from the same weights. Every
 system is first checked against the single-device reference; then the systems'
-iterations alternate, so that machine noise hits them alike. After the timed layer
-iterations, more iterations replay each collective right after itself as a plain
+iterations alternate (in reversed order every other sample), so that machine noise hits
+them alike. After the timed layer iterations, more iterations replay each collective right after itself as a plain
 ``all_to_all_single`` of the same split sizes (``raw_a2a_time`` beside
 ``a2a_time_paired``): the harness's own overhead; for whole models the same replay gives
 what the bytes alone can buy at the proxy's width (:func:`model_replay_rows`). Each system's
@@ -93,16 +93,16 @@ def run_rank(ctx, cfg_dict: dict) -> list:
         act = saved_activation_bytes(layer, x_TD.clone().requires_grad_(True), None, ids_TK)
         rows[i].append(row("activation_bytes", act, "bytes", layer=0, rank=ctx.rank))
     for sample in iterations(ctx.ep, t.warmup, t.iters):
-        took = []
-        for i, layer in enumerate(layers):
+        took = {}
+        for i in turns(len(layers), sample):
             with stopwatch() as sw:
-                sample_rows = time_iteration(ctx, layer, x_TD, ids_TK, grad_TD, recs[i], sample, True)
-            took.append(f"{systems[i].name} {sw.seconds:.1f} s")
+                sample_rows = time_iteration(ctx, layers[i], x_TD, ids_TK, grad_TD, recs[i], sample, True)
+            took[i] = f"{systems[i].name} {sw.seconds:.1f} s"
             if sample >= 0:
                 rows[i] += sample_rows
         if ctx.rank == 0:
             kind = "warm-up" if sample < 0 else f"sample {sample + 1}/{t.iters}"
-            print(f"  [{first.model.name}] {kind}: {', '.join(took)}", flush=True)
+            print(f"  [{first.model.name}] {kind}: {', '.join(took[i] for i in sorted(took))}", flush=True)
     base_id = f"{first.experiment_name}/bench/{first.model.name}/{first.cluster.name}"
     out = []
     replayed = replay_rows(ctx, layers, recs, (x_TD, ids_TK, grad_TD), t.iters) if ctx.world_size > 1 else None
@@ -111,6 +111,14 @@ def run_rank(ctx, cfg_dict: dict) -> list:
         rows[i] += replayed[i] if replayed else []
         out += _tagged(rows[i], config, base_id, ctx.world_size)
     return out
+
+
+def turns(n: int, sample: int) -> list:
+    """The order in which ``n`` systems run in ``sample``: as listed in warm-up and even
+    samples, reversed in odd ones, so that no system always runs right after another (the
+    one that ran second measured slower here, whichever it was)."""
+    order = list(range(n))
+    return order[::-1] if sample >= 0 and sample % 2 else order
 
 
 def replay_rows(ctx, layers: list, recs: list, inputs: tuple, reps: int) -> list:
@@ -179,10 +187,10 @@ def model_rank(ctx, cfg_dict: dict) -> list:
         works.append(WORKLOADS[t.workload](ctx, cfg, tok, model))
         recs.append(Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives))
     for sample in iterations(ctx.ep, t.warmup, t.iters):
-        for i, work in enumerate(works):
+        for i in turns(len(works), sample):
             recs[i].clear()
             barrier(ctx.ep)
-            rows[i] += work.step(recs[i], sample)
+            rows[i] += works[i].step(recs[i], sample)
     replayed = model_replay_rows(ctx, works, t.iters) if ctx.world_size > 1 else [[] for _ in works]
     base_id = f"{cfg.experiment_name}/bench_model/{m.name}/{t.workload}/{cfg.cluster.name}"
     out = []
