@@ -12,8 +12,8 @@ routing, same tokens.
 :mod:`occult.tasks.model`), one rank model per system from the same weights. Every
 system is first checked against the single-device reference; then the systems'
 iterations alternate (in reversed order every other sample), so that machine noise hits
-them alike. After the timed layer iterations, more iterations replay each collective right after itself as a plain
-``all_to_all_single`` of the same split sizes (``raw_a2a_time`` beside
+them alike. After the timed layer iterations, more iterations replay each collective
+right after itself as a plain ``all_to_all_single`` of the same split sizes (``raw_a2a_time`` beside
 ``a2a_time_paired``): the harness's own overhead; for whole models the same replay gives
 what the bytes alone can buy at the proxy's width (:func:`model_replay_rows`). Each system's
 rows carry its own ``system``, ``impl``, ``system_options`` and ``run_id``;
@@ -115,8 +115,8 @@ def run_rank(ctx, cfg_dict: dict) -> list:
 
 def turns(n: int, sample: int) -> list:
     """The order in which ``n`` systems run in ``sample``: as listed in warm-up and even
-    samples, reversed in odd ones, so that no system always runs right after another (the
-    one that ran second measured slower here, whichever it was)."""
+    samples, reversed in odd ones, so that no system always runs right after another's
+    iteration (whose heap and cache state it would always inherit)."""
     order = list(range(n))
     return order[::-1] if sample >= 0 and sample % 2 else order
 
