@@ -58,6 +58,10 @@ def every_job(tmp_path: Path) -> list:
         for task in TASKS:
             if not expert_parallel and task in ("layer", "finetune"):
                 continue
+            if task == "prefill" and name != "naive":
+                # task=decode runs every system's MoE forward on the prompt first; the model's
+                # cache-less prompt forward (task=prefill) differs only outside the MoE layers
+                continue
             model = "layer_small" if task == "layer" else "olmoe_proxy"
             overrides = [f"system={name}", f"task={task}", f"model={model}", f"cluster=cpu{P}", *TINY, *extra]
             if task == "finetune":
@@ -69,10 +73,10 @@ def every_job(tmp_path: Path) -> list:
             cfg_dict = _cfg(overrides, out)
             jobs.append((f"{name}/{task}", cfg_dict["task"]["entry"], cfg_dict))
         # a system's other exact paths (e.g. Occult's fused experts step, which auto takes only
-        # for a large EPD), on one layer forward and backward and in training
+        # for a large EPD), on one layer forward and backward
         for path in config.other_exact_paths() if config.is_exact() else []:
             options = [f"system.{k}={v}" for k, v in path.items()]
-            for task, model in (("layer", "layer_small"), ("train", "olmoe_proxy")):
+            for task, model in (("layer", "layer_small"),):
                 overrides = [f"system={name}", f"task={task}", f"model={model}", f"cluster=cpu{P}", *TINY, *extra,
                              *options]
                 cfg_dict = _cfg(overrides, tmp_path / f"{name}-{task}-{'-'.join(options)}")
@@ -83,7 +87,7 @@ def every_job(tmp_path: Path) -> list:
 @pytest.mark.timeout(600)
 def test_every_system_and_task_keeps_its_tensors_on_the_rank_device(tmp_path):
     jobs = every_job(tmp_path)
-    assert len(jobs) >= 40
+    assert len(jobs) >= 30
     per_rank = launch(import_object("helpers.run_tasks"), P, (jobs,), timeout_s=560, collective_timeout_s=120,
                       default_device="meta")
     labels = {label for label, *_ in jobs}
