@@ -76,11 +76,10 @@ def every_job(tmp_path: Path) -> list:
         # for a large EPD), on one layer forward and backward
         for path in config.other_exact_paths() if config.is_exact() else []:
             options = [f"system.{k}={v}" for k, v in path.items()]
-            for task, model in (("layer", "layer_small"),):
-                overrides = [f"system={name}", f"task={task}", f"model={model}", f"cluster=cpu{P}", *TINY, *extra,
-                             *options]
-                cfg_dict = _cfg(overrides, tmp_path / f"{name}-{task}-{'-'.join(options)}")
-                jobs.append((f"{name}{path}/{task}", cfg_dict["task"]["entry"], cfg_dict))
+            overrides = [f"system={name}", "task=layer", "model=layer_small", f"cluster=cpu{P}", *TINY, *extra,
+                         *options]
+            cfg_dict = _cfg(overrides, tmp_path / f"{name}-layer-{'-'.join(options)}")
+            jobs.append((f"{name}{path}/layer", cfg_dict["task"]["entry"], cfg_dict))
     return jobs
 
 
