@@ -15,7 +15,7 @@ from typing import ClassVar, Optional
 import torch
 
 from occult.ep import Exchange, Recorder, SplitDispatcher, all_to_all_rows, exchange_counts
-from occult.ep.payload import PayloadConfig
+from occult.ep.system import PayloadConfig
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination,
                                weighted_scatter_add)
 

@@ -10,7 +10,8 @@ The YAML files under ``conf/`` fill these in. Every group has its schema:
   system's schema under its YAML (``system_schema@system: ${system}``).
 * ``model``, ``task``, ``cluster`` (runnable worlds), ``pretrain``: the dataclasses below.
 * ``profile`` (``conf/profile/sim_*.yaml``): projection profiles of clusters that are not
-  here, read by :mod:`analysis.costmodel` through :class:`ProfileConf`; never run on.
+  here; never run on. Their schema, :class:`ProfileConf`, lives beside their one reader
+  (:mod:`occult.ep.links`), below the systems that read profiles at run time.
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+from . import CONF_DIR
+from .ep.links import ProfileConf  # noqa: F401 - the profile group's schema, with the reader below systems
+
 
 
 @dataclass
@@ -115,28 +118,6 @@ class ClusterConf:
     devices_per_node: int = 0
     run_timeout_s: float = 3600.0       # whole run
     collective_timeout_s: float = 300.0
-
-
-@dataclass
-class ProfileConf:
-    """A projection profile (``conf/profile``): a cluster that is not here, for the cost
-    model. Bandwidths in GB/s per device and direction."""
-    name: str = MISSING
-    world_size: int = 0                 # devices (0: per calibrated world size)
-    backend: str = "nccl"
-    devices_per_node: int = 0           # 0: every device in one node
-    intra_node_GBps: float = 0.0        # device <-> device within a node (nominal)
-    intra_node_latency_us: float = 0.0  # per all-to-all call within a node
-    inter_node_GBps: float = 0.0        # one NIC, per direction (nominal)
-    nics_per_node: int = 0              # NICs a node's devices share for inter-node traffic
-    inter_node_latency_us: float = 0.0  # per all-to-all call that crosses nodes
-    device_TFLOPs: float = 0.0          # dense matmul peak per device at `dtype`
-    memory_GBps: float = 0.0            # device memory bandwidth (0: experts modelled compute-bound)
-    dtype: str = "bfloat16"             # element type of projected activations (bfloat16, float32)
-    link_efficiency: float = 1.0        # achieved / nominal bandwidth (an assumption unless measured)
-    compute_efficiency: float = 1.0     # achieved / peak matmul throughput (idem)
-    source: str = ""                    # where the numbers come from
-    calibration: List[Any] = field(default_factory=list)   # measured points per world size (CPU)
 
 
 @dataclass

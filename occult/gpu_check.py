@@ -197,7 +197,9 @@ def throughput(tokens: int) -> dict:
 def measured_profile(name: str, tp: dict) -> str:
     """A projection profile: sim_h100x8's links (datasheet), this GPU's measured compute and memory."""
     import yaml
-    base = yaml.safe_load((ROOT / "conf" / "profile" / "sim_h100x8.yaml").read_text())
+
+    from .ep.links import profile_fields
+    base = profile_fields("sim_h100x8")
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
     base.update(name=f"{slug}x8_measured", device_TFLOPs=round(tp["grouped_swiglu_TFLOPs"], 2),
                 compute_efficiency=1.0, memory_GBps=round(tp["memory_GBps"], 1),

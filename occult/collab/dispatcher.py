@@ -33,7 +33,7 @@ from typing import ClassVar, Optional
 import torch
 
 from ..ep import Exchange, Recorder, SplitDispatcher, all_to_all_rows, exchange_counts
-from ..ep.payload import PayloadConfig
+from ..ep.system import PayloadConfig
 from ..ep.accounting import span
 from ..ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
 from ..kernels import triton_available, use_triton

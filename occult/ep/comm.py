@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from .accounting import Recorder
 from .measure import barrier, between, clock, mark
+from .payload import decode, encode, meta_bytes_per_row
 
 ALL_TO_ALL, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE = (
     "all_to_all", "all_gather", "reduce_scatter", "broadcast", "reduce")
@@ -187,7 +188,6 @@ class _CompressedRows(torch.autograd.Function):
 
 
 def _compressed(x_RX, send_P, recv_P, ep, where, payload, direction):
-    from .payload import decode, encode, meta_bytes_per_row
     X = where.meta_cols
     D = x_RX.shape[1] - X
     wire_RW = encode(x_RX[:, :D], payload, x_RX[:, D:])

@@ -1,19 +1,49 @@
-"""Links and compute of a machine, from a projection profile (``conf/profile/*.yaml``).
+"""Projection profiles (``conf/profile/*.yaml``): the one reader, and the links and
+compute of a machine that a profile gives a world of P ranks.
 
-The cost model (:mod:`analysis.costmodel`) projects measured runs onto these numbers;
-systems whose schedule is decided by a cost rule at run time (FasterMoE's shadowing,
-PipeMoE's pipeline degree) read the same numbers for the machine they assume
-(a system option naming a profile). Only the fields are read here; the profile's
-schema is :class:`occult.config.ProfileConf`.
+Everything that reads a profile reads it here, through its schema (:class:`ProfileConf`,
+so a misspelt field is a one-line error naming it): the cost model (:mod:`analysis.projection`
+projects measured runs onto these numbers), the systems whose schedule a cost rule decides
+at run time (FasterMoE's shadowing, PipeMoE's pipeline degree: a system option naming a
+profile, read for the machine they assume), and ``make gpu-check`` (a measured profile from
+a datasheet one). A profile is named (``sim_a6000x4``, from ``conf/profile``) or a path to a
+YAML file (a measured one written into a run folder, e.g. by ``experiment=calibrate``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, List, Optional
 
-import yaml
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "conf" / "profile"
+from .. import CONF_DIR
+
+PROFILE_DIR = CONF_DIR / "profile"
+ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class ProfileConf:
+    """A projection profile (``conf/profile``): a cluster that is not here, for the cost
+    model. Bandwidths in GB/s per device and direction."""
+    name: str = MISSING
+    world_size: int = 0                 # devices (0: per calibrated world size)
+    backend: str = "nccl"
+    devices_per_node: int = 0           # 0: every device in one node
+    intra_node_GBps: float = 0.0        # device <-> device within a node (nominal)
+    intra_node_latency_us: float = 0.0  # per all-to-all call within a node
+    inter_node_GBps: float = 0.0        # one NIC, per direction (nominal)
+    nics_per_node: int = 0              # NICs a node's devices share for inter-node traffic
+    inter_node_latency_us: float = 0.0  # per all-to-all call that crosses nodes
+    device_TFLOPs: float = 0.0          # dense matmul peak per device at `dtype`
+    memory_GBps: float = 0.0            # device memory bandwidth (0: experts modelled compute-bound)
+    dtype: str = "bfloat16"             # element type of projected activations (bfloat16, float32)
+    link_efficiency: float = 1.0        # achieved / nominal bandwidth (an assumption unless measured)
+    compute_efficiency: float = 1.0     # achieved / peak matmul throughput (idem)
+    source: str = ""                    # where the numbers come from
+    calibration: List[Any] = field(default_factory=list)   # measured points per world size (CPU)
 
 
 @dataclass(frozen=True)
@@ -40,6 +70,42 @@ class Link:
         return max(self.intra_latency_s, self.inter_latency_s)
 
 
+@dataclass(frozen=True)
+class Profile:
+    """A projection profile as the cost model and the cost rules use it."""
+
+    name: str
+    world_size: int                     # 0: any world size in ``calibration``
+    dtype: str
+    link: Optional[Link] = None         # fixed links (GPU profiles)
+    calibration: dict = field(default_factory=dict)   # {P: Link} (this machine)
+    source: str = ""
+
+    def covers(self, world_size: int) -> bool:
+        """Whether the profile has links for a world of ``world_size`` ranks."""
+        return world_size in self.calibration if self.calibration else world_size == self.world_size
+
+    def at(self, world_size: int) -> Link:
+        """The links and compute for a run of ``world_size`` ranks (raises if the profile has none)."""
+        if self.calibration:
+            if world_size not in self.calibration:
+                raise ValueError(f"profile={self.name}: calibrated for world sizes {sorted(self.calibration)}, "
+                                 f"not {world_size} (rerun python run.py experiment=calibrate "
+                                 f"hydra.sweeper.params.cluster=cpu{world_size},...)")
+            return self.calibration[world_size]
+        if world_size != self.world_size:
+            raise ValueError(f"profile={self.name} has world_size={self.world_size}; a run measured at "
+                             f"world_size={world_size} has another per-peer byte pattern. Project runs "
+                             f"measured with cluster.world_size={self.world_size}")
+        return self.link
+
+    @property
+    def element_bytes(self) -> int:
+        if self.dtype not in ELEMENT_BYTES:
+            raise ValueError(f"profile={self.name}: dtype={self.dtype!r}; allowed values {sorted(ELEMENT_BYTES)}")
+        return ELEMENT_BYTES[self.dtype]
+
+
 def link_from_fields(c: dict) -> Link:
     """A GPU profile's fixed links: nominal numbers times the profile's efficiencies."""
     eff, ceff = float(c.get("link_efficiency", 1.0)), float(c.get("compute_efficiency", 1.0))
@@ -63,32 +129,59 @@ def calibration_links(points: list) -> dict:
             for p in points or []}
 
 
-def profile_fields(name_or_path: str) -> dict:
-    """The fields of a profile: ``sim_a6000x4`` (from conf/profile) or a YAML path."""
+def checked_fields(c: dict) -> dict:
+    """A profile's fields merged into :class:`ProfileConf` (defaults filled in); a
+    misspelt or mistyped field is a one-line ``ValueError`` naming it."""
+    name = (c or {}).get("name", "?")
+    try:
+        return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(ProfileConf), c or {}))
+    except OmegaConfBaseException as exc:
+        raise ValueError(f"profile={name}: {str(exc).splitlines()[0]} "
+                         "(fields: see occult.ep.links.ProfileConf)") from exc
+
+
+def profile_from_dict(c: dict) -> Profile:
+    """A :class:`Profile` from a profile config's fields (checked by :func:`checked_fields`)."""
+    c = checked_fields(c)
+    name = c["name"]
+    calibration = calibration_links(c.get("calibration"))
+    if not calibration and not c.get("intra_node_GBps"):
+        raise ValueError(f"profile={name}: needs intra_node_GBps (GB/s) or a calibration list")
+    return Profile(name=name, world_size=int(c.get("world_size", 0) or 0), dtype=c.get("dtype") or "float32",
+                   link=None if calibration else link_from_fields(c), calibration=calibration,
+                   source=c.get("source", ""))
+
+
+def available_profiles() -> list[str]:
+    """The profiles under conf/profile, by name."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def profile_path(name_or_path) -> Path:
+    """``sim_a6000x4`` -> conf/profile/sim_a6000x4.yaml; a path (with a suffix) as it is."""
     path = Path(name_or_path)
     if not path.suffix:
         path = PROFILE_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
-        names = sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
-        raise FileNotFoundError(f"no profile {name_or_path!r}; profiles: {names}")
-    return yaml.safe_load(path.read_text()) or {}
+        raise FileNotFoundError(f"no profile {str(name_or_path)!r} ({path}); profiles: {available_profiles()}")
+    return path
 
 
-def link_at(name_or_path: str, world_size: int) -> Link:
+def profile_fields(name_or_path) -> dict:
+    """A profile's fields, checked against :class:`ProfileConf` (defaults filled in)."""
+    return checked_fields(OmegaConf.to_container(OmegaConf.load(profile_path(name_or_path))))
+
+
+def load_profile(name_or_path) -> Profile:
+    """``sim_a6000x4`` (from conf/profile) or a path to a profile YAML."""
+    return profile_from_dict(profile_fields(name_or_path))
+
+
+def link_at(name_or_path, world_size: int) -> Link:
     """The links and compute a profile gives a world of ``world_size`` ranks (a measured
     profile: its calibration at that size; a fixed one: its links, whatever the size)."""
-    c = profile_fields(name_or_path)
-    calibrated = calibration_links(c.get("calibration"))
-    if calibrated:
-        if world_size not in calibrated:
-            raise ValueError(f"profile {name_or_path!r} is calibrated for world sizes {sorted(calibrated)}, "
-                             f"not {world_size}")
-        return calibrated[world_size]
-    try:
-        return link_from_fields(c)
-    except KeyError as exc:
-        raise ValueError(f"profile {name_or_path!r} has no {exc.args[0]!r} (a fixed profile needs intra_node_GBps; "
-                         f"a measured one, calibration points)") from None
+    profile = load_profile(name_or_path)
+    return profile.at(world_size) if profile.calibration else profile.link
 
 
 def pipeline_seconds(dispatch_s: float, experts_s: float, combine_s: float, degree: int) -> float:

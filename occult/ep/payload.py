@@ -13,54 +13,20 @@ values that travel exactly, e.g. Occult's gate weights):
 * ``fp8``: D float8 (e4m3) values ``x / s`` with s = max|x| / 448, then s and the
   metadata as float32 bytes: D + 4 + 4X bytes.
 
-:func:`exchange_compressed` runs an accounted all-to-all of the encoded rows and
-decodes them; its backward sends the gradients in the same payload (the metadata's
-gradients exactly). Shapes: R rows, D hidden values, X metadata values, W wire columns.
+:func:`occult.ep.comm.all_to_all_rows` with a ``payload`` runs an accounted all-to-all
+of the encoded rows and decodes them; its backward sends the gradients in the same
+payload (the metadata's gradients exactly). A system's payload options are
+:class:`occult.ep.system.PayloadConfig`. This module is the codec only: it imports
+nothing of the project. Shapes: R rows, D hidden values, X metadata values, W wire columns.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
-
-from .system import SystemConfig
 
 PAYLOADS = ("fp32", "bf16", "int8", "fp8")
 _FP8 = torch.float8_e4m3fn
 _QMAX = {"int8": 127.0, "fp8": float(torch.finfo(_FP8).max)}
 SCALE_BYTES = 4
-
-
-@dataclass
-class PayloadConfig(SystemConfig):
-    """Options mixin of a system whose dispatch and combine rows may cross compressed."""
-
-    payload: str = "fp32"      # fp32 (rows as they are) | bf16 | int8 | fp8 (per-row scale)
-    # the combine's payload; null: as ``payload`` (DeepEP's low-latency mode: fp8 / bf16)
-    combine_payload: Optional[str] = None
-
-    def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
-        super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
-        for key in ("payload", "combine_payload"):
-            value = getattr(self, key)
-            if value not in PAYLOADS and not (key == "combine_payload" and value is None):
-                raise ValueError(f"system.{key}={value!r}: allowed values are {list(PAYLOADS)}"
-                                 + (" or null (as payload)" if key == "combine_payload" else ""))
-
-    def lossless_options(self) -> dict:
-        return {} if self.is_exact() else {"payload": "fp32", "combine_payload": None}
-
-    def payload_of(self, phase: str) -> str:
-        """The payload of the ``dispatch`` or the ``combine`` rows."""
-        return self.combine_payload or self.payload if phase == "combine" else self.payload
-
-    def compressed(self) -> bool:
-        """Whether either exchange's rows cross compressed."""
-        return self.payload != "fp32" or self.payload_of("combine") != "fp32"
-
-    def is_exact(self) -> bool:
-        return not self.compressed() and super().is_exact()
 
 
 def _bytes_of(t_RX: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,9 @@ when the config is composed.
 :meth:`SystemConfig.build` is the one way to make a system for an MoE layer (tasks,
 models, parity and the benchmark all call it): the layer's placement, then the class.
 A system that keeps the model's own MoE blocks (the no-EP reference) is a config
-whose ``build`` returns None.
+whose ``build`` returns None. A system whose rows may cross compressed nests a
+:class:`PayloadConfig` (the wire codec itself is :mod:`occult.ep.payload`, beside the
+collectives that use it).
 
 The core knows no system by name: it imports a system's class from ``_target_``.
 """
@@ -20,14 +22,17 @@ import dataclasses
 import importlib
 import json
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from ..errors import ConfigError
-from .comm import EPGroup
+from .payload import PAYLOADS
 from .placement import Placement
+
+if TYPE_CHECKING:          # the collectives' group, for typing only: comm.py is below systems' configs
+    from .comm import EPGroup
 
 
 def import_object(path: str):
@@ -126,11 +131,43 @@ class SystemConfig:
         e.g. from a placement artifact named in its options)."""
         return Placement.contiguous(num_experts, world_size)
 
-    def build(self, ep: EPGroup, layer: int, num_experts: int, placement: Optional[Placement] = None):
+    def build(self, ep: "EPGroup", layer: int, num_experts: int, placement: Optional[Placement] = None):
         """This rank's system for MoE layer ``layer``: a dispatcher with the layer's
         placement (``placement`` overrides it), or None for a system without one."""
         placement = (placement or self.layer_placement(layer, num_experts, ep.world_size)).to(ep.device)
         return self.system_class()(ep, placement, self)
+
+
+@dataclass
+class PayloadConfig(SystemConfig):
+    """Options mixin of a system whose dispatch and combine rows may cross compressed
+    (the wire formats: :mod:`occult.ep.payload`)."""
+
+    payload: str = "fp32"      # fp32 (rows as they are) | bf16 | int8 | fp8 (per-row scale)
+    # the combine's payload; null: as ``payload`` (DeepEP's low-latency mode: fp8 / bf16)
+    combine_payload: Optional[str] = None
+
+    def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+        super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+        for key in ("payload", "combine_payload"):
+            value = getattr(self, key)
+            if value not in PAYLOADS and not (key == "combine_payload" and value is None):
+                raise ValueError(f"system.{key}={value!r}: allowed values are {list(PAYLOADS)}"
+                                 + (" or null (as payload)" if key == "combine_payload" else ""))
+
+    def lossless_options(self) -> dict:
+        return {} if self.is_exact() else {"payload": "fp32", "combine_payload": None}
+
+    def payload_of(self, phase: str) -> str:
+        """The payload of the ``dispatch`` or the ``combine`` rows."""
+        return self.combine_payload or self.payload if phase == "combine" else self.payload
+
+    def compressed(self) -> bool:
+        """Whether either exchange's rows cross compressed."""
+        return self.payload != "fp32" or self.payload_of("combine") != "fp32"
+
+    def is_exact(self) -> bool:
+        return not self.compressed() and super().is_exact()
 
 
 def system_schema(cls: type) -> type:
