@@ -1,8 +1,9 @@
 """The Hydra callback that writes a sweep's report (named in ``conf/config.yaml``).
 
 At the end of every multirun, :class:`SweepReport` writes ``report.md`` (tables, figures)
-into the sweep folder with the figure builders of the experiment's ``report`` field,
-the one way an experiment attaches its report (:mod:`analysis.figures`).
+into the sweep folder with the builders of the experiment's ``report`` field and their
+knobs in ``report_options``, the one way an experiment attaches its report
+(:mod:`analysis.figures`).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("occult")
 
@@ -26,4 +27,6 @@ class SweepReport(Callback):
         if not any(sweep_dir.rglob("results.parquet")):
             return
         from .report import write_report
-        log.info("report: %s", write_report([sweep_dir], sweep_dir, builders=config.get("report", "")))
+        knobs = config.get("report_options")
+        options = OmegaConf.to_container(knobs, resolve=True) if knobs is not None else {}
+        log.info("report: %s", write_report([sweep_dir], sweep_dir, builders=config.get("report", ""), options=options))

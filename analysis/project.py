@@ -16,28 +16,30 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from . import costmodel as cm
+from occult.ep.links import available_profiles, load_profile
+
 from .load import load_runs
+from .projection import project_runs, projected_totals, target_model
 
 
 def project(paths, profile_name: str, model: str = "own"):
     """(per-layer projection, per-run totals) of the runs under ``paths`` on a profile."""
-    profile = cm.load_profile(profile_name)
-    target = None if model == "own" else "real" if model == "real" else cm.target_model(model)
+    profile = load_profile(profile_name)
+    target = None if model == "own" else "real" if model == "real" else target_model(model)
     df = load_runs(paths)
-    proj = cm.project_runs(df, profile, target)
+    proj = project_runs(df, profile, target)
     if proj.empty:
         sizes = sorted(int(p) for p in df.world_size.unique())
         want = sorted(profile.calibration) if profile.calibration else [profile.world_size]
         raise ValueError(f"profile={profile_name}: no run to project; it needs runs at world size {want}, "
                          f"these runs have {sizes}")
-    return proj, cm.projected_totals(proj)
+    return proj, projected_totals(proj)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", help="run or sweep folders")
-    ap.add_argument("--profile", required=True, help=f"a profile (conf/profile): {', '.join(cm.available_profiles())}")
+    ap.add_argument("--profile", required=True, help=f"a profile (conf/profile, or a YAML path): {', '.join(available_profiles())}")
     ap.add_argument("--model", default="own", help="own | real | a conf/model name (default: own)")
     ap.add_argument("--out", default=None, help="folder for the CSV files (default: the first path)")
     args = ap.parse_args()

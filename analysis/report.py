@@ -1,42 +1,40 @@
-"""A report for any set of run folders: tables (CSV + Markdown), figures (PNG + PDF), report.md.
+"""A report for any set of run folders: tables (CSV + Markdown), figures (PNG + PDF), report.md;
+and its published copy under docs/results.
 
     python -m analysis.report runs/fig3_lcc [more folders...] [--out DIR] [--figures fig3_lcc,...]
+    python -m analysis.report runs/default_study --publish docs/results     # docs/results/default_study.md
 
 Written automatically at the end of every multirun (into the sweep folder, by
-:class:`analysis.callbacks.SweepReport`), with the figure builders the experiment
-names in its ``report`` field (:mod:`analysis.figures`). On demand, ``--figures``
-names them; without it they are those of the runs' experiments (the ``experiment``
-column, looked up in ``conf/experiment``). Only result tables are read.
+:class:`analysis.callbacks.SweepReport`), with the builders the experiment names in its
+``report`` field and their knobs in ``report_options`` (:mod:`analysis.figures`). On
+demand, ``--figures`` names them; without it they are those of the runs' experiments (the
+``experiment`` column, read from ``conf/experiment``). Only result tables are read.
 
-Sections: an overview of every run (one row per run; task=layer phase
-times), each named figure or table, and the cost model checked against this
-machine when the runs allow it. Projected values carry ``source =
-projected`` and are hatched or dashed in the figures.
+Sections: an overview of every run (one row per run; task=layer phase times) and each
+builder's figures and tables. Projected values carry ``source = projected`` and are
+hatched or dashed in the figures.
+
+``--publish DIR`` also writes ``DIR/<experiment>.md`` (:mod:`analysis.publish`): the
+report's sections stamped with the date, command, commit and machine of the runs, its
+figures copied beside it.
 """
 from __future__ import annotations
 
 import argparse
-import logging
-import re
+import sys
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
-from .figures import Section, costmodel_check, resolve_builders
 from .load import load_runs
 from .plots import plot_phase_times
+from .sections import Section, builder_name, builder_names, guarded, render, resolve_builders
 from .summary import run_table, task_latency, with_ratios
 
-SHOWN = ["system", "impl", "model", "task", "cluster", "top_k", "routing", "ct_all", "dispatch_rows_per_token",
-         "dispatch_remote_MB", "a2a_dispatch_fwd_ms", "a2a_combine_fwd_ms", "layer_fwd_ms",
+SHOWN = ["system", "impl", "label", "model", "task", "cluster", "top_k", "routing", "ct_all",
+         "dispatch_rows_per_token", "dispatch_remote_MB", "a2a_dispatch_fwd_ms", "a2a_combine_fwd_ms", "layer_fwd_ms",
          "layer_fwd_bwd_ms", "layer_fwd_ms_vs_naive", "layer_fwd_bwd_ms_vs_naive"]
 NOT_RUNS = ("calibrate",)          # tasks whose runs measure the machine, not a system
-log = logging.getLogger("occult")
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
 
 
 def overview(df: pd.DataFrame, out: Path) -> Section:
@@ -47,10 +45,12 @@ def overview(df: pd.DataFrame, out: Path) -> Section:
     table = with_ratios(run_table(runs)).sort_values(["task", "system", "cluster", "top_k"])
     table.to_csv(out / "summary.csv", index=False)
     shown = table[[c for c in SHOWN if c in table]].dropna(axis=1, how="all")
+    shown = shown.loc[:, (shown != "").any()]             # no empty label column
     tables = [("summary", shown)]
     lat = task_latency(runs)
     if not lat.empty:
-        tables.append(("task_latency", lat.drop(columns=["run_dir"]).dropna(axis=1, how="all")))
+        lat = lat.drop(columns=["run_id", "run_dir", "system_options"], errors="ignore")
+        tables.append(("task_latency", lat.dropna(axis=1, how="all")))
     text = [f"{table.shape[0]} run(s), {len(df)} result rows; machine: {df.device.iloc[0]}; commit "
             f"{df.git_commit.iloc[0]}.{_wall_time(df)}",
             "Times are medians over timed samples of the slowest rank, in ms, measured on this machine: "
@@ -64,73 +64,60 @@ def _wall_time(df: pd.DataFrame) -> str:
     wall = df[df.metric == "run_wall_time"] if "metric" in df else df.iloc[:0]
     if wall.empty:
         return ""
-    n = wall.run_dir.nunique()
+    n = wall.run_id.nunique()
     return (f" The {n} point(s) with a recorded wall time ran for {wall.value.sum() / 60:.1f} min in all "
             "(start-up and any proxy pre-training included; reports and skipped points not).")
 
 
-def builders_of(df: pd.DataFrame) -> str:
+def builders_of(df: pd.DataFrame) -> tuple[str, dict]:
     """The ``report`` builders of the experiments these rows belong to (their
-    ``experiment`` column, looked up in ``conf/experiment``), comma-separated."""
-    from occult.config import CONF_DIR
+    ``experiment`` column, read from ``conf/experiment``), comma-separated, and their
+    ``report_options``."""
+    from occult.config import CONF_DIR, read_conf
 
-    found = []
+    found, options = [], {}
     for name in sorted(map(str, df.experiment.unique())):
-        path = CONF_DIR / "experiment" / f"{name}.yaml"
-        if path.is_file():
-            spec = str((yaml.safe_load(path.read_text()) or {}).get("report") or "")
-            found += [b.strip() for b in spec.split(",") if b.strip() and b.strip() not in found]
-    return ",".join(found)
+        if not (CONF_DIR / "experiment" / f"{name}.yaml").is_file():
+            continue
+        exp = read_conf("experiment", name)
+        found += [b for b in builder_names(exp.report) if b not in found]
+        options.update({k: dict(v) for k, v in exp.report_options.items()})
+    return ",".join(found), options
 
 
-def render(sections: list[Section], out: Path, title: str) -> Path:
-    """Writes each table as CSV and everything as report.md; returns its path."""
-    lines = [f"# {title}", ""]
-    for sec in sections:
-        lines += [f"## {sec.title}", ""]
-        for para in sec.text:
-            lines += [para, ""]
-        for name, table in sec.tables:
-            table.to_csv(out / f"{_slug(name)}.csv", index=False)
-            lines += [f"**{name}** (`{_slug(name)}.csv`)", "",
-                      table.to_markdown(index=False, floatfmt=".4g") if not table.empty else "(empty)", ""]
-        for fig in sec.figures:
-            if Path(fig).suffix == ".png":
-                lines += [f"![{Path(fig).stem}]({Path(fig).name}) (also `{Path(fig).with_suffix('.pdf').name}`)", ""]
-    path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+def report_sections(df: pd.DataFrame, out: Path, builders=None, options=None) -> list[Section]:
+    """The overview and each builder's sections (``builders``/``options``: as
+    :func:`write_report`'s)."""
+    spec, known = builders_of(df) if builders is None else (builders, {})
+    options = {**known, **(options or {})}
+    sections = [overview(df, out)]
+    for build in resolve_builders(spec):
+        sections += guarded(build, df, out, options.get(builder_name(build), {}))
+    return sections
 
 
-def _guarded(build, df: pd.DataFrame, out: Path) -> list[Section]:
-    """A builder's sections; if it fails, a section that says so (the other sections and the
-    sweep's results stay intact) and the error in the log."""
-    try:
-        return build(df, out)
-    except Exception as exc:  # noqa: BLE001 - one figure must not lose the whole report
-        log.exception("report: %s failed", build.__name__)
-        return [Section(f"{build.__name__}: not drawn", [f"The builder failed: `{type(exc).__name__}: {exc}` "
-                                                         f"(traceback in the log). Rerun with "
-                                                         f"`python -m analysis.report {out}`."])]
-
-
-def write_report(paths, out_dir, builders=None) -> Path:
+def write_report(paths, out_dir, builders=None, options=None, publish_dir=None, command: str = "") -> Path:
     """Builds the report from every results file under ``paths``; returns report.md.
 
-    ``builders``: figure builders (names in :data:`analysis.figures.BUILDERS`, comma-separated,
-    or dotted paths); None: those the runs' experiments name (:func:`builders_of`).
+    ``builders``: builder names (modules of :mod:`analysis.figures`), comma-separated;
+    None: those the runs' experiments name (:func:`builders_of`), with their options.
+    ``options``: ``{builder: {option: value}}`` (an experiment's ``report_options``).
+    ``publish_dir``: also write the stamped copy ``<publish_dir>/<experiment>.md``
+    (:func:`analysis.publish.publish`; ``command``: the command that published it).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     df = load_runs(paths)
-    spec = builders_of(df) if builders is None else builders
-    sections = [overview(df, out)]
-    for build in resolve_builders(spec):
-        sections += _guarded(build, df, out)
-    if "costmodel_check" not in str(spec):
-        sections += _guarded(costmodel_check, df, out)
-    title = f"Report: {', '.join(sorted(map(str, df.experiment.unique())))}"
-    return render(sections, out, title)
+    sections = report_sections(df, out, builders, options)
+    path = render(sections, out, report_title(df))
+    if publish_dir is not None:
+        from .publish import publish
+        print(publish(df, sections, out, publish_dir, command))
+    return path
+
+
+def report_title(df: pd.DataFrame) -> str:
+    return f"Report: {', '.join(sorted(map(str, df.experiment.unique())))}"
 
 
 def main() -> None:
@@ -138,9 +125,13 @@ def main() -> None:
     ap.add_argument("paths", nargs="+", help="run or sweep folders")
     ap.add_argument("--out", default=None, help="where to write (default: the first folder)")
     ap.add_argument("--figures", default=None,
-                    help="comma-separated figure builders (default: the `report` of the runs' experiments)")
+                    help="comma-separated report builders (default: the `report` of the runs' experiments)")
+    ap.add_argument("--publish", default=None, metavar="DIR",
+                    help="also write DIR/<experiment>.md, stamped (e.g. docs/results)")
     args = ap.parse_args()
-    print(write_report(args.paths, args.out or args.paths[0], args.figures))
+    command = "python -m analysis.report " + " ".join(sys.argv[1:])
+    print(write_report(args.paths, args.out or args.paths[0], args.figures, publish_dir=args.publish,
+                       command=command))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,11 @@ Times: a step lasts as long as its slowest rank, so each timed sample is
 first reduced to the maximum over ranks, then summarised by the median over
 samples. Ratios compare systems measured in the same sweep with everything
 else equal.
+
+A run is its ``run_id`` (unique per composed config; a world that compares several
+systems gives each its own): every summary here is one row, or one value, per
+``run_id``. ``run_dir``, the folder its results came from, is provenance only (several
+runs may share one).
 """
 from __future__ import annotations
 
@@ -12,21 +17,23 @@ import pandas as pd
 RUN_KEYS = ["experiment", "model", "task", "cluster", "world_size", "devices_per_node", "num_experts", "top_k",
             "hidden_size", "expert_ffn_size", "tokens_per_rank", "routing", "batch_size", "seq_len", "seed"]
 SYSTEM_KEYS = ["system", "impl"]
+# what tells two configs of one system apart, and where a run's files are (not keys)
+RUN_DESCRIPTION = ["label", "system_options", "run_dir"]
 
 
 def slowest_rank_ms(df: pd.DataFrame, metric: str, phase: str, direction: str) -> pd.Series:
-    """Median over samples of the slowest rank's time, per run (indexed by run_dir)."""
+    """Median over samples of the slowest rank's time, per run (indexed by run_id)."""
     sel = df[(df.metric == metric) & (df.phase == phase) & (df["pass"] == direction) & (df["sample"] >= 0)]
     if sel.empty:
         return pd.Series(dtype=float)
-    per_sample = sel.groupby(["run_dir", "sample", "rank"]).value.sum().groupby(["run_dir", "sample"]).max()
-    return per_sample.groupby("run_dir").median()
+    per_sample = sel.groupby(["run_id", "sample", "rank"]).value.sum().groupby(["run_id", "sample"]).max()
+    return per_sample.groupby("run_id").median()
 
 
 def global_value(df: pd.DataFrame, metric: str, phase: str = "", direction: str = "") -> pd.Series:
     """The all-ranks value (rank = -1) of a metric, averaged over layers, per run."""
     sel = df[(df.metric == metric) & (df["rank"] == -1) & (df.phase == phase) & (df["pass"] == direction)]
-    return sel.groupby("run_dir").value.mean()
+    return sel.groupby("run_id").value.mean()
 
 
 def sent_bytes(df: pd.DataFrame, phase: str, direction: str, remote_only: bool = True) -> pd.Series:
@@ -34,12 +41,13 @@ def sent_bytes(df: pd.DataFrame, phase: str, direction: str, remote_only: bool =
     sel = df[(df.metric == "bytes") & (df.phase == phase) & (df["pass"] == direction)]
     if remote_only:
         sel = sel[sel.src_rank != sel.dst_rank]
-    return sel.groupby("run_dir").value.sum()
+    return sel.groupby("run_id").value.sum()
 
 
 def run_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run: routing metrics, rows, bytes and phase times (ms, slowest rank)."""
-    runs = df.groupby("run_dir")[RUN_KEYS + SYSTEM_KEYS].first()
+    described = [c for c in RUN_DESCRIPTION if c in df]
+    runs = df.groupby("run_id", sort=False)[RUN_KEYS + SYSTEM_KEYS + described].first()
     cols = {
         "ct_all": global_value(df, "ct_all"),
         "ct_remote": global_value(df, "ct_remote"),
@@ -81,13 +89,14 @@ def task_latency(df: pd.DataFrame) -> pd.DataFrame:
     """One row per whole-model run: its task's latency (ms, median over samples of the
     all-ranks value, i.e. the slowest rank) and tokens/s (median)."""
     out = []
-    for run_dir, run in df[df.task.isin(list(TASK_LATENCY))].groupby("run_dir"):
+    described = [c for c in RUN_DESCRIPTION if c in df]
+    for run_id, run in df[df.task.isin(list(TASK_LATENCY))].groupby("run_id", sort=False):
         metric, phase = TASK_LATENCY[run.task.iloc[0]]
         lat = run[(run.metric == metric) & (run.phase == phase) & (run["rank"] == -1)].value
         tps = run[(run.metric == "tokens_per_s") & (run.phase == phase) & (run["rank"] == -1)].value
         if lat.empty:
             continue
-        out.append({**{k: run[k].iloc[0] for k in RUN_KEYS + SYSTEM_KEYS}, "run_dir": run_dir,
+        out.append({**{k: run[k].iloc[0] for k in RUN_KEYS + SYSTEM_KEYS + described}, "run_id": run_id,
                     "latency_metric": metric, "latency_ms": lat.median(),
                     "tokens_per_s": tps.median() if not tps.empty else float("nan")})
     return pd.DataFrame(out)
@@ -95,26 +104,46 @@ def task_latency(df: pd.DataFrame) -> pd.DataFrame:
 
 def a2a_total_ms(df: pd.DataFrame, directions=("forward",)) -> pd.Series:
     """All collectives of a timed iteration in the given passes, summed per rank, slowest
-    rank per sample, median over samples: ms per run (indexed by run_dir)."""
+    rank per sample, median over samples: ms per run (indexed by run_id)."""
     sel = df[(df.metric == "a2a_time") & df["pass"].isin(list(directions)) & (df["sample"] >= 0)]
     if sel.empty:
         return pd.Series(dtype=float)
-    per_sample = sel.groupby(["run_dir", "sample", "rank"]).value.sum().groupby(["run_dir", "sample"]).max()
-    return per_sample.groupby("run_dir").median()
+    per_sample = sel.groupby(["run_id", "sample", "rank"]).value.sum().groupby(["run_id", "sample"]).max()
+    return per_sample.groupby("run_id").median()
 
 
 def remote_bytes_per_rank(df: pd.DataFrame, phases=("dispatch", "combine"), direction: str = "forward") -> pd.Series:
     """The most remote bytes one rank sends in the given phases of one pass (per iteration), per run."""
     sel = df[(df.metric == "bytes") & df.phase.isin(list(phases)) & (df["pass"] == direction)
              & (df.src_rank != df.dst_rank)]
-    return sel.groupby(["run_dir", "src_rank"]).value.sum().groupby("run_dir").max()
+    return sel.groupby(["run_id", "src_rank"]).value.sum().groupby("run_id").max()
+
+
+def layer_table(df: pd.DataFrame) -> pd.DataFrame:
+    """:func:`run_table` of the task=layer runs with all-to-all totals (forward, and
+    forward + backward) and the most remote bytes one rank sends (MB)."""
+    layer = df[df.task == "layer"]
+    if layer.empty:
+        return pd.DataFrame()
+    t = run_table(layer).set_index("run_id")
+    t["a2a_fwd_ms"] = a2a_total_ms(layer, ("forward",))
+    t["a2a_fwd_bwd_ms"] = a2a_total_ms(layer, ("forward", "backward"))
+    t["remote_MB_per_rank"] = remote_bytes_per_rank(layer) / 1e6
+    return t.reset_index()
+
+
+def baseline_value(table: pd.DataFrame, column: str, baseline="naive", keys=None) -> pd.Series:
+    """Per row of ``table``, the baseline system's ``column`` in the rows with the same
+    ``keys`` (default: RUN_KEYS present in the table); NaN where the baseline is missing.
+    Several baseline runs with the same keys: their median. ``baseline``: a system name,
+    or per row the name of its baseline (a Series aligned with ``table``)."""
+    keys = [k for k in (keys or RUN_KEYS) if k in table]
+    base = table[table.system == baseline].groupby(keys, dropna=False)[column].median()
+    ref = table.set_index(keys).index.map(lambda k: base.get(k, float("nan")))
+    return pd.Series(ref.to_numpy(dtype=float), index=table.index)
 
 
 def ratio_to(table: pd.DataFrame, column: str, baseline: str = "naive", keys=None) -> pd.Series:
     """``column`` over the baseline system's value in the row with the same ``keys``
-    (default: RUN_KEYS present in the table); NaN where the baseline is missing. Several
-    baseline runs with the same keys: their median."""
-    keys = [k for k in (keys or RUN_KEYS) if k in table]
-    base = table[table.system == baseline].groupby(keys, dropna=False)[column].median()
-    ref = table.set_index(keys).index.map(lambda k: base.get(k, float("nan")))
-    return pd.Series(table[column].to_numpy() / ref.to_numpy(dtype=float), index=table.index)
+    (:func:`baseline_value`)."""
+    return table[column] / baseline_value(table, column, baseline, keys)

@@ -132,7 +132,44 @@ class RunConf:
     seed: int = 0
     resume: bool = True                 # skip a run whose results (of the same config) already exist
     out_dir: Optional[str] = None       # default: Hydra's output folder
-    report: str = ""                    # figure builders of an experiment's report (analysis.figures)
+    report: str = ""                    # report builders of an experiment (modules of analysis.figures)
+    report_options: Dict[str, Any] = field(default_factory=dict)   # {builder: {option: value}}: its knobs
+
+
+GROUP_SCHEMAS = {"model": ModelConf, "task": TaskConf, "cluster": ClusterConf, "profile": ProfileConf}
+
+
+def read_conf(group: str, name: str):
+    """``conf/<group>/<name>.yaml`` through its group's schema (:data:`GROUP_SCHEMAS`;
+    ``system``: the system's own typed config; ``experiment``: the run fields it sets, in
+    :class:`RunConf`): defaults filled in, a misspelt or mistyped
+    field a one-line :class:`ConfigError` naming it. The one way code outside Hydra's
+    composition reads a config file."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .ep.system import system_config
+    from .errors import ConfigError
+
+    path = CONF_DIR / group / f"{name}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        raise ConfigError(f"{group}={name}: no such config; available: {', '.join(names)}")
+    if group == "system":
+        return system_config(OmegaConf.load(path))
+    if group == "experiment":      # a global delta: its run fields (report, report_options, task, ...)
+        raw = OmegaConf.load(path)
+        fields = {k: raw[k] for k in raw if k not in ("defaults", "hydra")}
+        try:
+            return OmegaConf.merge(OmegaConf.structured(RunConf), fields)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"experiment={name}: {str(exc).splitlines()[0]}") from exc
+    if group not in GROUP_SCHEMAS:
+        raise ConfigError(f"read_conf: group={group!r}; allowed: {sorted(GROUP_SCHEMAS) + ['experiment', 'system']}")
+    try:
+        return OmegaConf.merge(OmegaConf.structured(GROUP_SCHEMAS[group]), OmegaConf.load(path))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{group}={name}: {str(exc).splitlines()[0]}") from exc
 
 
 def system_yamls(conf_dirs: Sequence[Path]) -> dict:

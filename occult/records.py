@@ -41,7 +41,7 @@ COLUMNS = CONTEXT_COLUMNS + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
 RESULTS_FILE = "results.parquet"
 RUN_CONFIG_FILE = "run_config.json"      # the composed config the results belong to (resume checks it)
 # keys of the composed config that do not change a run's results (left out of its hash)
-NOT_HASHED = ("resume", "out_dir", "report", "cluster.run_timeout_s", "cluster.collective_timeout_s")
+NOT_HASHED = ("resume", "out_dir", "report", "report_options", "cluster.run_timeout_s", "cluster.collective_timeout_s")
 # keys added after results were first written, hashed only when they differ from the default that
 # reproduces those results (so earlier runs keep their hash and resume), and the value a table
 # written before them holds

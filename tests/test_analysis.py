@@ -12,12 +12,15 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
-from analysis import costmodel as cm
-from analysis.calibrate import fit_line, fit_points, profile_dict
-from analysis.figures import linear_fit, pearson, resolve_builders
+from analysis import pricing, projection
+from analysis.calibration import fit_line, fit_points, profile_dict
+from analysis.figures import costmodel_check as check
+from analysis.figures.table1_ct_runtime import linear_fit, pearson
+from analysis.sections import resolve_builders
 from analysis.lcc import component_growth, largest_component, token_counts, topk_from_logits, uniform_lcc_curve
 from analysis.report import write_report
 from occult.config import register
+from occult.ep import links
 from occult.records import make_frame, row, write_results
 
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
@@ -64,17 +67,17 @@ def test_topk_from_logits_and_uniform_curve():
 # ---------------------------------------------------------------------------
 
 def test_a2a_time_on_a_hand_example():
-    link = cm.Link(intra_latency_s=10e-6, intra_Bps=1e9)
+    link = links.Link(intra_latency_s=10e-6, intra_Bps=1e9)
     bytes_PP = np.array([[7e6, 1e6], [5e5, 9e6]])        # the diagonal stays home: free
     # rank 0 sends 1 MB, receives 0.5 MB; rank 1 sends 0.5 MB, receives 1 MB -> 1 ms + 10 us
-    assert cm.a2a_seconds(bytes_PP, link) == pytest.approx(1e-3 + 10e-6)
-    assert cm.a2a_seconds(bytes_PP, link, calls=3) == pytest.approx(1e-3 + 30e-6)
-    assert cm.a2a_seconds(np.zeros((1, 1)), link) == 0.0
+    assert pricing.a2a_seconds(bytes_PP, link) == pytest.approx(1e-3 + 10e-6)
+    assert pricing.a2a_seconds(bytes_PP, link, calls=3) == pytest.approx(1e-3 + 30e-6)
+    assert pricing.a2a_seconds(np.zeros((1, 1)), link) == 0.0
 
 
 def test_a2a_time_across_nodes_uses_the_nic_share():
     # 4 ranks, 2 per node: intra 10 GB/s; one 1 GB/s NIC per node shared by 2 devices -> 0.5 GB/s
-    prof = cm.profile_from_dict({"name": "t", "world_size": 4, "devices_per_node": 2,
+    prof = links.profile_from_dict({"name": "t", "world_size": 4, "devices_per_node": 2,
                                  "intra_node_GBps": 10.0, "intra_node_latency_us": 5.0, "inter_node_GBps": 1.0,
                                  "nics_per_node": 1, "inter_node_latency_us": 20.0, "device_TFLOPs": 1.0,
                                  "dtype": "bfloat16"})
@@ -82,27 +85,27 @@ def test_a2a_time_across_nodes_uses_the_nic_share():
     bytes_PP = np.zeros((4, 4))
     bytes_PP[0, 1] = 1e7            # intra: 1 ms
     bytes_PP[0, 2] = 1e6            # inter: 2 ms (the slower link of rank 0)
-    assert cm.a2a_seconds(bytes_PP, link) == pytest.approx(20e-6 + 2e-3)
+    assert pricing.a2a_seconds(bytes_PP, link) == pytest.approx(20e-6 + 2e-3)
     # experts: 6 D F FLOPs per row forward, 12 backward, at 1 TFLOP/s
-    assert cm.expert_seconds([100, 300], 64, 32, link) == pytest.approx(6 * 300 * 64 * 32 / 1e12)
-    assert cm.expert_seconds([300], 64, 32, link, backward=True) == pytest.approx(12 * 300 * 64 * 32 / 1e12)
+    assert pricing.expert_seconds([100, 300], 64, 32, link) == pytest.approx(6 * 300 * 64 * 32 / 1e12)
+    assert pricing.expert_seconds([300], 64, 32, link, backward=True) == pytest.approx(12 * 300 * 64 * 32 / 1e12)
     with pytest.raises(ValueError, match="world_size=4"):
         prof.at(8)
 
 
 def test_efficiency_scales_the_link():
-    prof = cm.profile_from_dict({"name": "t", "world_size": 2, "intra_node_GBps": 10.0,
+    prof = links.profile_from_dict({"name": "t", "world_size": 2, "intra_node_GBps": 10.0,
                                  "link_efficiency": 0.5, "device_TFLOPs": 2.0, "compute_efficiency": 0.25,
                                  "dtype": "bfloat16"})
     assert prof.at(2).intra_Bps == pytest.approx(5e9) and prof.at(2).flops == pytest.approx(0.5e12)
 
 
 def test_every_sim_profile_loads():
-    names = cm.available_profiles()
+    names = links.available_profiles()
     assert {"sim_a6000x4", "sim_a6000x8", "sim_a6000x16", "sim_h100x8", "sim_h100x2node",
             "sim_h100x8node"} <= set(names)
     for name in names:
-        p = cm.load_profile(name)
+        p = links.load_profile(name)
         assert p.name == name and p.source
 
 
@@ -237,14 +240,14 @@ def synthetic_sweep(tmp_path):
 def test_projection_of_a_run_by_hand(tmp_path):
     run = layer_run("naive", 2, 8, 1.9, a2a_ms=1.0, rows_per_peer=100, D=32)
     run["run_dir"] = "r"
-    prof = cm.profile_from_dict({"name": "t", "world_size": 2, "intra_node_GBps": 1.0,
+    prof = links.profile_from_dict({"name": "t", "world_size": 2, "intra_node_GBps": 1.0,
                                  "intra_node_latency_us": 10.0, "device_TFLOPs": 1.0, "dtype": "bfloat16"})
-    proj = cm.project_run(run, prof)
+    proj = projection.project_run(run, prof)
     # each phase: every rank sends 100 rows x 32 x 4 bytes to the one other rank
     a2a = proj[proj.component == "a2a:dispatch"].ms.iloc[0]
     assert a2a == pytest.approx((10e-6 + 100 * 32 * 4 / 1e9) * 1e3)
     # re-sized to a target width in bfloat16: rows x 2048 x 2 bytes
-    wide = cm.project_run(run, prof, cm.Target("wide", 2048, 1024, 16))
+    wide = projection.project_run(run, prof, projection.Target("wide", 2048, 1024, 16))
     assert wide[wide.component == "a2a:dispatch"].ms.iloc[0] == pytest.approx((10e-6 + 100 * 2048 * 2 / 1e9) * 1e3)
     # experts: T x K rows per rank (balanced), 6 D F each
     exp = proj[(proj.component == "experts") & (proj["pass"] == "forward")].ms.iloc[0]
@@ -257,20 +260,19 @@ def test_projection_of_a_run_by_hand(tmp_path):
 def test_projected_rows_are_labelled(synthetic_sweep):
     from analysis.load import load_runs
     df = load_runs(synthetic_sweep)
-    proj = cm.project_runs(df, cm.load_profile("sim_a6000x4"), target="real")
+    proj = projection.project_runs(df, links.load_profile("sim_a6000x4"), target="real")
     assert not proj.empty and set(proj.source) == {"projected"}
     assert set(proj.target_model) >= {"olmoe"}                     # olmoe_proxy -> olmoe
-    totals = cm.projected_totals(proj)
+    totals = projection.projected_totals(proj)
     assert set(totals.source) == {"projected"} and (totals.moe_ms > 0).all()
 
 
 def test_cost_model_check_against_synthetic_measurements(synthetic_sweep):
-    from analysis.figures import cpu_profile
     from analysis.load import load_runs
     df = load_runs(synthetic_sweep)
-    profile, where = cpu_profile(df)
+    profile, where = check.cpu_profile(df)
     assert "calibration runs" in where and sorted(profile.calibration) == [2, 4]
-    chk = cm.check_against_measured(df, profile)
+    chk = check.check_against_measured(df, profile)
     assert set(chk.world_size) == {2, 4} and "a2a_total" in set(chk.quantity)
     assert np.isfinite(chk.error).all()
 
@@ -281,12 +283,12 @@ def test_cost_model_check_uses_a_runs_own_calibration():
     own = layer_run("naive", 4, 8, 3.4, a2a_ms=1.0, rows_per_peer=64, D=32)
     cal = calibration_run(4)
     run = pd.concat([own, cal.assign(**{c: own[c].iloc[0] for c in ("task", "run_id")})], ignore_index=True)
-    run["run_dir"] = "own"
-    other = layer_run("naive", 4, 8, 3.4, a2a_ms=1.0, rows_per_peer=64, D=32)
-    other["run_dir"] = "other"
+    run["run_dir"] = "folder"
+    other = layer_run("naive", 4, 8, 3.4, a2a_ms=1.0, rows_per_peer=64, D=32).assign(run_id="other")
+    other["run_dir"] = "folder"
     # no sweep profile: the run without its own calibration is not checked
-    chk = cm.check_against_measured(pd.concat([run, other], ignore_index=True), None)
-    assert set(chk.run_dir) == {"own"} and set(chk.calibration) == {"own run"}
+    chk = check.check_against_measured(pd.concat([run, other], ignore_index=True), None)
+    assert set(chk.run_id) == {own.run_id.iloc[0]} and set(chk.calibration) == {"own run"}
     one = chk[chk.quantity == "a2a dispatch forward"].iloc[0]
     sent = 3 * 64 * 32 * 4                            # a rank sends 64 rows to each of 3 peers
     assert one.projected_ms == pytest.approx(0.5 + sent / 1e6, rel=1e-6)
@@ -300,14 +302,14 @@ def test_calibration_points_from_rows():
     assert pt["world_size"] == 4 and pt["latency_us"] == pytest.approx(500, rel=1e-6)
     assert pt["GBps"] == pytest.approx(1.0, rel=1e-6)                     # 1 ms per MB
     assert pt["TFLOPs"] > 0 and pt["expert_call_us"] >= 0
-    assert cm.profile_from_dict(profile_dict([pt], "test")).at(4).intra_Bps == pytest.approx(1e9, rel=1e-6)
+    assert links.profile_from_dict(profile_dict([pt], "test")).at(4).intra_Bps == pytest.approx(1e9, rel=1e-6)
 
 
 def test_report_writes_tables_and_figures(synthetic_sweep, tmp_path, monkeypatch):
-    monkeypatch.setattr("analysis.figures.LCC_DRAWS", 4)
+    monkeypatch.setattr("analysis.figures.fig3_lcc.LCC_DRAWS", 4)
     out = tmp_path / "report"
     path = write_report([synthetic_sweep], out,
-                        builders="fig3_lcc,fig8_pattern,table1_ct_runtime,fig1_latency,fig12_scaling")
+                        builders="fig3_lcc,fig8_pattern,table1_ct_runtime,fig1_latency,fig12_scaling,costmodel_check")
     text = path.read_text()
     for title in ("Fig. 3", "Fig. 8", "Table 1", "Fig. 1", "Fig. 12", "Cost model vs this machine"):
         assert f"## {title}" in text, title
@@ -327,14 +329,25 @@ def test_report_writes_tables_and_figures(synthetic_sweep, tmp_path, monkeypatch
 def test_report_reads_builders_of_the_runs_experiments():
     from analysis.report import builders_of
     df = pd.DataFrame({"experiment": ["table1_ct_runtime", "fig3_lcc", "adhoc"]})
-    assert builders_of(df) == "fig3_lcc,table1_ct_runtime"      # sorted by experiment; adhoc has none
-    assert builders_of(pd.DataFrame({"experiment": ["adhoc"]})) == ""
+    assert builders_of(df) == ("fig3_lcc,table1_ct_runtime,costmodel_check", {})   # by experiment; adhoc: none
+    assert builders_of(pd.DataFrame({"experiment": ["adhoc"]})) == ("", {})
+    spec, options = builders_of(pd.DataFrame({"experiment": ["exflow_affinity"]}))
+    assert spec == "exflow_affinity" and options == {"exflow_affinity": {"world_sizes": [4, 8], "time_limit_s": 60.0}}
 
 
-def test_unknown_builder_names_the_choices():
+def test_a_report_has_only_the_builders_it_names(synthetic_sweep, tmp_path):
+    """The cost-model check is a builder like the others: no report gets it unasked."""
+    text = write_report([synthetic_sweep], tmp_path, builders="table1_ct_runtime").read_text()
+    assert "## Table 1" in text and "Cost model vs this machine" not in text
+
+
+def test_builders_have_one_name_each():
     with pytest.raises(ValueError, match="fig3_lcc"):
         resolve_builders("fig99")
-    assert len(resolve_builders("analysis.figures.fig3_lcc, table1_ct_runtime")) == 2
+    with pytest.raises(ValueError, match="unknown report builder"):       # dotted paths are not names
+        resolve_builders("analysis.figures.fig3_lcc.build")
+    assert [b.__module__ for b in resolve_builders("fig3_lcc, table1_ct_runtime")] == \
+        ["analysis.figures.fig3_lcc", "analysis.figures.table1_ct_runtime"]
 
 
 def test_fit_helpers():
@@ -352,7 +365,7 @@ def _cfg(*overrides, hydra: bool = False):
         return compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
 
-@pytest.mark.parametrize("name", cm.available_profiles())
+@pytest.mark.parametrize("name", links.available_profiles())
 def test_projection_profiles_are_not_clusters(name):
     """Profiles live in their own group (conf/profile): as a cluster they do not compose,
     and the one-line message points at the projection command."""
@@ -367,7 +380,7 @@ def test_projection_profiles_are_not_clusters(name):
 
 def test_profile_schema_names_a_bad_field():
     with pytest.raises(ValueError, match=r"profile=t: .*intra_node_gbps"):
-        cm.profile_from_dict({"name": "t", "intra_node_gbps": 10.0})
+        links.profile_from_dict({"name": "t", "intra_node_gbps": 10.0})
 
 
 def test_experiments_compose():
@@ -375,8 +388,9 @@ def test_experiments_compose():
                  "default_study", "fig7_pruning", "pruning_no_finetune", "placement_study", "bench",
                  "calibrate", "exflow_affinity"):
         cfg = _cfg(f"experiment={name}")
-        assert cfg.experiment_name == {"pruning_no_finetune": "fig7_pruning"}.get(name, name)
+        assert cfg.experiment_name == name                   # each experiment writes its own folder
         assert resolve_builders(cfg.report)
+        assert set(cfg.report_options) <= {b.strip() for b in cfg.report.split(",")}
 
 
 def test_grids_sweeper_expands_a_union():
@@ -420,8 +434,9 @@ def test_every_experiments_sweeper_instantiates_and_refers_to_its_points():
             assert job.label == f"score_{job.system.budget}"
 
 
-def finetune_run(run_dir: Path, system: str, budget, steps: int, pydoc_loss: float, ct: float):
-    """A task=finetune run folder as run.py writes it (the budget in system_options)."""
+def finetune_run(run_dir: Path, label: str, system: str, budget, steps: int, pydoc_loss: float, ct: float):
+    """A task=finetune run folder as run.py writes it (the budget in system_options, the arm
+    in ``label``, as experiment=fig7_pruning names every point)."""
     rows = [row("train_loss", 6.0, "nats/token", sample=s) for s in range(steps)]
     for corpus, loss in (("pydoc", pydoc_loss), ("shakespeare", 5.0)):
         rows += [row("eval_loss", loss, "nats/token", phase=corpus),
@@ -429,22 +444,25 @@ def finetune_run(run_dir: Path, system: str, budget, steps: int, pydoc_loss: flo
                  row("eval_accuracy", 1.0 / loss, "ratio", phase=corpus)]
         rows += [row("ct_all", ct, "devices/token", layer=layer, phase=corpus) for layer in (0, 1)]
     options = {} if budget is None else {"budget": budget}
-    write_results(make_frame(rows, _context(system, "olmoe_proxy", "finetune", 4, 16, 4, 32, 16, options=options)),
-                  run_dir)
+    ctx = {**_context(system, "olmoe_proxy", "finetune", 4, 16, 4, 32, 16, options=options), "label": label,
+           "run_id": f"t/{label}"}
+    write_results(make_frame(rows, ctx), run_dir)
 
 
 def test_fig7_pruning_figure_from_finetune_runs(tmp_path):
     from analysis.load import load_runs
-    from analysis.studies import fig7_pruning
-    arms = [("occult", None, 0, 7.0, 3.6), ("occult", None, 2, 5.9, 3.7),
-            ("occult_prune_score", 1, 2, 5.95, 1.0), ("occult_prune_score", 2, 2, 5.91, 2.0),
-            ("occult_prune_sim", 1, 2, 5.94, 1.0), ("occult_prune_sim", 2, 2, 5.905, 2.0)]
+    from analysis.figures import fig7_pruning
+    arms = [("similarity_2", "occult_prune_sim", 2, 2, 5.905, 2.0), ("score_1", "occult_prune_score", 1, 2, 5.95, 1.0),
+            ("no_finetune", "occult", None, 0, 7.0, 3.6), ("standard", "occult", None, 2, 5.9, 3.7),
+            ("score_2", "occult_prune_score", 2, 2, 5.91, 2.0), ("similarity_1", "occult_prune_sim", 1, 2, 5.94, 1.0),
+            ("score_1_no_finetune", "occult_prune_score", 1, 0, 6.9, 1.0)]
     for i, arm in enumerate(arms):
         finetune_run(tmp_path / f"run{i}", *arm)
-    (section,) = fig7_pruning(load_runs([tmp_path]), tmp_path)
+    (section,) = fig7_pruning.build(load_runs([tmp_path]), tmp_path)
     assert (tmp_path / "fig7_pruning.png").is_file() and (tmp_path / "fig7_pruning.pdf").is_file()
     table = dict(section.tables)["fig7_pruning"].set_index("arm")
-    assert list(table.index) == ["no_finetune", "standard", "score_1", "score_2", "similarity_1", "similarity_2"]
+    assert list(table.index) == ["no_finetune", "standard", "score_1", "score_2", "similarity_1", "similarity_2",
+                                 "score_1_no_finetune"]        # the reading order, whatever the folders' order
     assert table.loc["similarity_2", "pydoc_loss"] == pytest.approx(5.905)
     assert table.loc["score_1", "ct_all"] == pytest.approx(1.0)
 
@@ -462,13 +480,21 @@ def test_fig1_reference_row_is_measured_and_never_projected(tmp_path):
         rows.append(row("tokens_per_s", 25.0, "tokens/s", phase="prefill", sample=s))
     ref = make_frame(rows, {**_context("reference", "olmoe_proxy", "prefill", 4, 16, 4, 32, 16), "impl": "library"})
     write_results(ref, sweep / "reference_prefill")
-    (section,) = fig1_latency(load_runs([sweep]), tmp_path)
+    (section,) = fig1_latency.build(load_runs([sweep]), tmp_path)
     tables = dict(section.tables)
     measured = tables["fig1_measured"].set_index("system")
     assert measured.loc["reference", "impl"] == "library"
     assert measured.loc["reference", "ratio_to_naive"] == pytest.approx(40.0 / 101.0)   # naive: 100, 102 ms
     assert set(tables["fig1_projected"].system) == {"naive"}
     assert (tmp_path / "fig1_latency.png").is_file()
+
+
+def experiment_options(name: str) -> dict:
+    """An experiment's ``report_options`` of its builder of the same name (its knobs)."""
+    from omegaconf import OmegaConf
+
+    from occult.config import read_conf
+    return OmegaConf.to_container(read_conf("experiment", name).report_options[name])
 
 
 def bench_layer_run(run_dir: Path, shape: str, naive_ms: float, occult_ms: float) -> None:
@@ -500,11 +526,11 @@ def bench_layer_run(run_dir: Path, shape: str, naive_ms: float, occult_ms: float
 
 
 def test_bench_report_gives_ratios_efficiency_and_targets(tmp_path):
-    from analysis.bench import bench_report
+    from analysis.figures import bench
     from analysis.load import load_runs
     bench_layer_run(tmp_path / "comm", "bench_comm", 10.0, 5.0)
     bench_layer_run(tmp_path / "olmoe", "bench_olmoe", 10.0, 9.5)
-    (section,) = bench_report(load_runs([tmp_path]), tmp_path)
+    (section,) = bench.build(load_runs([tmp_path]), tmp_path, **experiment_options("bench"))
     tables = dict(section.tables)
     layers = tables["bench_layers"].set_index(["model", "system"])
     assert layers.loc[("bench_comm", "occult"), "layer_fwd_ms_ratio"] == pytest.approx(0.5)
@@ -546,7 +572,7 @@ def bench_model_run(run_dir: Path, workload: str, naive_ms: float, occult_ms: fl
 def test_bench_models_say_what_the_bytes_alone_can_buy(tmp_path):
     """a2a_only_ratio = (naive's iteration - naive's raw all-to-all + occult's) / naive's
     iteration, raw summed per rank (slowest rank); decode's iteration is its prompt and tokens."""
-    from analysis.bench import model_table
+    from analysis.figures.bench import model_table
     from analysis.load import load_runs
     bench_model_run(tmp_path / "p", "prefill", 100.0, 90.0, {"naive": 10.0, "occult": 4.0})
     bench_model_run(tmp_path / "d", "decode", 5.0, 5.0, {"naive": 2.0, "occult": 1.0})
@@ -584,13 +610,13 @@ def lossy_run(run_dir: Path, system: str, label: str, steps: int, pydoc_loss: fl
 
 def test_lossy_front_table_front_and_ratios(tmp_path):
     from analysis.load import load_runs
-    from analysis.lossy import lossy_front, pareto
+    from analysis.figures.lossy_front import build, pareto
     points = [("naive", "naive", 0, 7.0, 6000.0, 100.0, 16), ("occult", "standard", 2, 5.9, 4000.0, 80.0, 12),
               ("naive", "naive_int8", 2, 5.95, 1600.0, 90.0, 16), ("naive", "naive_int8", 0, 6.5, 1600.0, 90.0, 16),
               ("lsh", "lsh_4", 2, 6.2, 1000.0, 70.0, 4), ("lsh", "lsh_4", 0, 6.1, 1000.0, 70.0, 4)]
     for i, p in enumerate(points):
         lossy_run(tmp_path / f"run{i}", *p)
-    (section,) = lossy_front(load_runs([tmp_path]), tmp_path)
+    (section,) = build(load_runs([tmp_path]), tmp_path)
     assert (tmp_path / "lossy_front.png").is_file() and (tmp_path / "lossy_front.csv").is_file()
     table = dict(section.tables)["lossy_front"]
     lsh = table[(table.arm == "lsh_4") & ~table.finetuned].iloc[0]
@@ -605,7 +631,7 @@ def test_lossy_front_table_front_and_ratios(tmp_path):
 
 def test_tutel_overlap_table_reads_degrees_padding_and_ratios(tmp_path):
     from analysis.load import load_runs
-    from analysis.tutel_overlap import overlap_table
+    from analysis.figures.tutel_overlap import overlap_table
 
     def tutel_run(degree, padding, a2a_ms):
         df = layer_run("tutel", 4, 8, 3.6, a2a_ms, 20)
@@ -630,9 +656,9 @@ def test_strategies_report_reads_whole_model_runs_beside_layer_runs(synthetic_sw
     """A sweep that also holds layer runs (several per system, e.g. the pipelining study's
     degrees) still gives one table row per (model, task, system) of its whole-model runs."""
     from analysis.load import load_runs
-    from analysis.strategies import strategies_table
+    from analysis.figures.strategies import strategies_table
     table = strategies_table(load_runs([synthetic_sweep]))
-    prefill = table[table.task == "prefill"].set_index("arm")
-    assert set(prefill.index) == {"naive", "occult", "tutel"} and not table.duplicated(["model", "task", "arm"]).any()
+    prefill = table[table.task == "prefill"].set_index("system")
+    assert set(prefill.index) == {"naive", "occult", "tutel"} and not table.duplicated(["model", "task", "system"]).any()
     assert prefill.loc["naive", "measured_vs_naive"] == pytest.approx(1.0)
     assert prefill.loc["occult", "measured_vs_naive"] < 1.0 < prefill.loc["tutel", "measured_vs_naive"]

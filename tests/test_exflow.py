@@ -205,9 +205,9 @@ def test_single_process_parity_with_an_artifact_placement(tmp_path):
 
 
 def test_study_on_a_synthetic_trace(tmp_path):
-    """analysis.exflow_affinity on a run folder with a planted trace: CSV, figure, artifact."""
-    from analysis.exflow_affinity import plot_affinity, study
-    from analysis.figures import resolve_builders
+    """analysis.figures.exflow_affinity on a run folder with a planted trace: CSV, figure, artifact."""
+    from analysis.figures.exflow_affinity import plot_affinity, study
+    from analysis.sections import resolve_builders
     from occult.placement import load_placements
 
     E, K, B, S = 8, 1, 4, 16
@@ -221,7 +221,7 @@ def test_study_on_a_synthetic_trace(tmp_path):
                                     "slot": 0, "expert": ids.flatten().numpy(), "weight": 1.0}))
     pd.concat(frames).to_parquet(run / "routing.parquet")
     df = pd.DataFrame([{"model": "toy", "num_experts": E, "top_k": K, "batch_size": B, "seq_len": S,
-                        "run_dir": str(run)}])
+                        "run_id": "t/toy", "run_dir": str(run)}])
     table = study(df, tmp_path, world_sizes=[2, 3], time_limit_s=2.0)
     assert set(table.split) == {"profile", "heldout"} and set(table.world_size) == {2}   # 8 % 3 != 0: skipped
     assert (table.exflow_ip <= table.contiguous).all() and (table.exflow_ip == 0).all()
@@ -230,4 +230,4 @@ def test_study_on_a_synthetic_trace(tmp_path):
     assert any(p.suffix == ".png" for p in plot_affinity(table, tmp_path))
     placements, meta = load_placements(tmp_path / "exflow_placements_toy_p2.json")
     assert sorted(placements) == [0, 1, 2] and meta["model"] == "toy"
-    assert resolve_builders("analysis.exflow_affinity.exflow_affinity")
+    assert resolve_builders("exflow_affinity")

@@ -22,6 +22,10 @@ may import its own level and any level below:
 And rules that the order alone does not say: ``analysis`` never starts ranks (it does
 not import the launcher, the runner, the tasks or the parity runs), and the method
 (``occult.collab``) does not import tasks, models or data (router profiling is a task).
+
+No circles between files either, within a level too: the imports between the project's
+files (lazy ones inside functions included; those under ``if TYPE_CHECKING:``, which
+never run, excluded) form no cycle.
 """
 import ast
 from pathlib import Path
@@ -106,6 +110,104 @@ def violations(module: str, source: str, is_package: bool = False) -> list:
     return sorted(set(bad))
 
 
+def _resolved(package: str, node: ast.ImportFrom) -> str:
+    """The absolute module an ``ImportFrom`` names (relative ones resolved in ``package``)."""
+    if not node.level:
+        return node.module
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def run_time_imports(module: str, source: str, modules, is_package: bool = False) -> set:
+    """The project files (names in ``modules``) that ``module``'s source imports when it
+    runs: module level and inside functions, not under ``if TYPE_CHECKING:``.
+    ``from pkg import sub`` is an arrow to ``pkg.sub`` when that is a file, else to ``pkg``."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = set()
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node):
+            test = node.test
+            if getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == "TYPE_CHECKING":
+                for child in node.orelse:
+                    self.visit(child)
+                return
+            self.generic_visit(node)
+
+        def visit_Import(self, node):
+            found.update(a.name for a in node.names)
+
+        def visit_ImportFrom(self, node):
+            target = _resolved(package, node)
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules]
+            found.update(subs if len(subs) == len(node.names) else [target, *subs])
+
+    Visitor().visit(ast.parse(source))
+    return {m for m in found if m in modules and m != module}
+
+
+def circles(graph: dict) -> list:
+    """Every strongly connected set of two or more modules of ``{module: imported modules}``
+    (Tarjan's algorithm, iterative), each as one cycle ``a -> b -> ... -> a``."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                members = set()
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    members.add(w)
+                    if w == v:
+                        break
+                if len(members) > 1:
+                    found.append(_cycle_through(v, members, graph))
+    return found
+
+
+def _cycle_through(start: str, members: set, graph: dict) -> str:
+    """One cycle from ``start`` back to itself inside ``members`` (breadth first), as text."""
+    paths, seen = [[start]], {start}
+    while paths:
+        path = paths.pop(0)
+        for w in sorted(graph[path[-1]] & members):
+            if w == start:
+                return " -> ".join(path + [start])
+            if w not in seen:
+                seen.add(w)
+                paths.append(path + [w])
+    return " -> ".join(sorted(members))
+
+
+def import_graph(overrides: dict = None) -> dict:
+    """``{module: project modules it imports at run time}`` of every project file;
+    ``overrides``: ``{module: source}`` to use instead of (or beside) the files."""
+    sources = {module_name(p): (p.read_text(), p.name == "__init__.py") for p in project_files()}
+    for module, source in (overrides or {}).items():
+        sources[module] = (source, sources.get(module, ("", False))[1])
+    return {m: run_time_imports(m, src, sources, pkg) for m, (src, pkg) in sources.items()}
+
+
 def project_files() -> list:
     files = []
     for name in SOURCES:
@@ -121,14 +223,42 @@ def test_every_import_points_down():
     assert not bad, "imports that point up:\n" + "\n".join(bad)
 
 
+def test_no_circle_between_files():
+    found = circles(import_graph())
+    assert not found, "import circles (lazy imports included):\n" + "\n".join(found)
+
+
+def _with_line(module: str, line: str) -> dict:
+    """``module``'s source with ``line`` appended inside a function (a lazy import)."""
+    path = ROOT / (module.replace(".", "/") + ".py")
+    return {module: path.read_text() + f"\n\ndef _put_back():\n    {line}\n"}
+
+
+@pytest.mark.parametrize("module, line", [
+    ("occult.ep.payload", "from .system import SystemConfig"),          # the config back in the codec
+    ("analysis.calibration", "from .figures.costmodel_check import build"),   # the fit reaching the check
+    ("analysis.pricing", "from .projection import project_run"),        # pricing <-> projection
+    ("analysis.sections", "from .figures.fig3_lcc import build"),       # the lookup importing builders
+])
+def test_the_circle_check_fails_on_each_circle_put_back(module, line):
+    """Each circle the issue removed is caught when an arrow of it is put back (lazily)."""
+    assert circles(import_graph(_with_line(module, line))), f"{module}: {line} put back, and no circle found"
+
+
+def test_circles_on_a_hand_graph():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles(graph) == ["a -> b -> c -> a"]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
 @pytest.mark.parametrize("module, source", [
     ("occult.ep.experts", "from ..kernels import use_triton"),                # the core knowing Occult's kernels
     ("occult.ep.experts", "from ..collab.experts import GatheredRows"),
     ("occult.collab.variants", "from ..tasks.pretrain import RouterTap"),     # the method running a task
     ("occult.collab.variants", "from ..models.build import moe_blocks"),
     ("occult.collab.variants", "from ..data.batches import batch_iterator"),
-    ("analysis.bench", "from occult.dist import launch"),                     # analysis starting ranks
-    ("analysis.studies", "from occult.tasks.model import setup"),
+    ("analysis.figures.bench", "from occult.dist import launch"),             # analysis starting ranks
+    ("analysis.figures.placement_study", "from occult.tasks.model import setup"),
     ("occult.runner", "from analysis.report import write_report"),            # the runner writing reports
 ])
 def test_the_check_fails_on_each_arrow_put_back(module, source):

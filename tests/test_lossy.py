@@ -94,7 +94,7 @@ def test_lossy_options_are_checked(options, field):
 
 
 def test_compressed_rows_keep_their_size_in_projections():
-    from analysis.costmodel import wire_matrix
+    from analysis.projection import wire_matrix
     rows, D_run, D_target = 10, 16, 64
     meta = np.full((2, 2), rows / 4 * 8.0)             # scale + 1 weight per row, float32
     int8 = np.full((2, 2), rows / 4 * D_run * 1.0)     # 1 byte per element

@@ -219,7 +219,7 @@ def test_finetune_trains_moe_weights_only():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_finetune_task_end_to_end(tmp_path):
-    from analysis.studies import accuracy_table
+    from analysis.figures.fig7_pruning import accuracy_table
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "run.py", "system=occult_prune_sim", "model=olmoe_proxy", "task=finetune", "cluster=cpu2",

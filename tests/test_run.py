@@ -96,8 +96,8 @@ def test_layer_run_calibrates_its_own_world_for_the_cost_model_check(tmp_path):
     """task.calibrate=true: the run's rows carry a loopback calibration of its own world
     (latency >= 0, finite bandwidth and matmul rate), and the cost-model check projects the
     run with it, for every collective the run logged."""
-    from analysis import costmodel as cm
-    from analysis.calibrate import fit_points
+    from analysis.calibration import fit_points
+    from analysis.figures import costmodel_check as check
     out = tmp_path / "run"
     run_py("system=occult", "cluster=cpu2", "task.sync_collectives=true", "task.calibrate=true", *SMALL,
            f"out_dir={out}")
@@ -105,7 +105,7 @@ def test_layer_run_calibrates_its_own_world_for_the_cost_model_check(tmp_path):
     (point,) = fit_points(df)
     assert point["world_size"] == 2 and point["latency_us"] >= 0 and 0 < point["GBps"] < float("inf")
     assert point["TFLOPs"] > 0
-    chk = cm.check_against_measured(df, None)
+    chk = check.check_against_measured(df, None)
     assert set(chk.calibration) == {"own run"}
     logged = {f"a2a {p} {d}" for p, d in df[df.metric == "a2a_time"][["phase", "pass"]].drop_duplicates().values}
     assert logged and logged <= set(chk.quantity) and (chk.projected_ms > 0).all()

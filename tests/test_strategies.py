@@ -8,8 +8,9 @@ import pytest
 import torch
 import yaml
 
+from analysis import pricing, projection
 from occult.dist import launch
-from occult.ep import Placement
+from occult.ep import Placement, links
 from occult.ep.links import Link, link_at, pipeline_seconds
 from occult.parity import LayerCase, run_grid, run_model_grid
 
@@ -268,47 +269,43 @@ def _collective(phase, direction, src, dst, nbytes, calls, kind="all_to_all"):
 
 
 def test_broadcasts_are_priced_once_per_link_not_once_per_peer():
-    import analysis.costmodel as cm
     link = Link(intra_latency_s=1e-5, intra_Bps=1e9)
     bytes_PP = torch.zeros(4, 4).numpy()
     bytes_PP[1, :] = 1e6                                  # rank 1's 1 MB to every rank
-    assert cm.rooted_seconds(bytes_PP, link, 1, "broadcast") == pytest.approx(1e-5 + 1e-3)
-    assert cm.a2a_seconds(bytes_PP, link, 1) == pytest.approx(1e-5 + 3e-3)     # what a per-peer model would say
-    assert cm.rooted_seconds(bytes_PP.T, link, 1, "reduce") == pytest.approx(1e-5 + 1e-3)
+    assert pricing.rooted_seconds(bytes_PP, link, 1, "broadcast") == pytest.approx(1e-5 + 1e-3)
+    assert pricing.a2a_seconds(bytes_PP, link, 1) == pytest.approx(1e-5 + 3e-3)     # what a per-peer model would say
+    assert pricing.rooted_seconds(bytes_PP.T, link, 1, "reduce") == pytest.approx(1e-5 + 1e-3)
 
 
 def test_a_pipelined_layer_is_projected_with_its_overlap():
-    import analysis.costmodel as cm
     rows = (_collective("dispatch", "forward", 0, 1, 1e6, 2) + _collective("combine", "forward", 1, 0, 1e6, 2)
             + [{"metric": "tokens", "value": 100, "unit": "tokens", "rank": r} for r in (0, 1)]
             + [{"metric": "pipeline_degree", "value": 2, "unit": "chunks", "rank": r} for r in (0, 1)])
-    profile = cm.Profile("toy", 2, "float32", link=Link(intra_latency_s=0.0, intra_Bps=1e9, flops=3e7))
-    proj = cm.project_run(_run_frame(rows), profile).set_index("component")
+    profile = links.Profile("toy", 2, "float32", link=Link(intra_latency_s=0.0, intra_Bps=1e9, flops=3e7))
+    proj = projection.project_run(_run_frame(rows), profile).set_index("component")
     # 1 ms per exchange, 2 ms of experts; 2 chunks: 0.5 + 1 + 0.5 + max(0.5 + 0.5, 1) = 3 ms, not 4
     assert proj.loc["a2a:dispatch", "ms"] == pytest.approx(1.0) and proj.loc["experts", "ms"] == pytest.approx(2.0)
     assert proj.loc["overlap", "ms"] == pytest.approx(-1.0) and proj.loc["moe", "ms"] == pytest.approx(3.0)
 
 
 def test_weight_rows_are_resized_to_the_target_model():
-    import analysis.costmodel as cm
     weight_row = 3 * 10 * 10 * 4                          # one expert of the run (D = F = 10, float32)
     rows = _collective("fetch_weights", "forward", 0, 1, 5 * weight_row, 1)
     rows[1]["value"] = 5                                    # five experts
-    profile = cm.Profile("toy", 2, "bfloat16", link=Link(intra_latency_s=0.0, intra_Bps=1e9))
-    proj = cm.project_run(_run_frame(rows), profile, cm.Target("big", 100, 200, 1)).set_index("component")
+    profile = links.Profile("toy", 2, "bfloat16", link=Link(intra_latency_s=0.0, intra_Bps=1e9))
+    proj = projection.project_run(_run_frame(rows), profile, projection.Target("big", 100, 200, 1)).set_index("component")
     assert proj.loc["a2a:fetch_weights", "ms"] == pytest.approx(5 * 3 * 100 * 200 * 2 / 1e9 * 1e3)
 
 
 def test_metadata_rows_keep_their_size_and_decode_pipelines_per_step():
-    import analysis.costmodel as cm
     # 10 float64 metadata values a row: 80 bytes = D x 8, which only the metadata flag tells
     # apart from a float64 hidden row; as metadata it is not re-sized to the target's width
     meta = _collective("dispatch_meta", "forward", 0, 1, 800.0, 1)
     meta.append({**meta[0], "metric": "meta_bytes"})
     hidden = _collective("dispatch", "forward", 0, 1, 800.0, 1)
-    profile = cm.Profile("toy", 2, "float32", link=Link(intra_latency_s=0.0, intra_Bps=1e9))
-    big = cm.Target("big", 100, 10, 1)
-    proj = cm.project_run(_run_frame(meta + hidden), profile, big).set_index("component")
+    profile = links.Profile("toy", 2, "float32", link=Link(intra_latency_s=0.0, intra_Bps=1e9))
+    big = projection.Target("big", 100, 10, 1)
+    proj = projection.project_run(_run_frame(meta + hidden), profile, big).set_index("component")
     assert proj.loc["a2a:dispatch_meta", "ms"] == pytest.approx(800 / 1e9 * 1e3)
     assert proj.loc["a2a:dispatch", "ms"] == pytest.approx(10 * 100 * 4 / 1e9 * 1e3)
     # decode: 3 steps of 2 chunks each; the counters add up over the steps
@@ -317,16 +314,15 @@ def test_metadata_rows_keep_their_size_and_decode_pipelines_per_step():
             + [{"metric": m, "value": v, "unit": "", "rank": r} for r in (0, 1)
                for m, v in (("pipeline_degree", 6), ("pipeline_calls", 3))])
     run = _run_frame(rows)
-    assert cm.pipeline_degree(run, 0) == 2 and cm.layer_calls(cm._collectives(run), 0) == 6
+    assert projection.pipeline_degree(run, 0) == 2 and projection.layer_calls(projection._collectives(run), 0) == 6
 
 
 def test_runs_grouped_into_nodes_project_only_onto_the_same_layout():
-    import analysis.costmodel as cm
     two_nodes, one_node = Link(1e-5, 1e9, devices_per_node=8), Link(1e-5, 1e9, devices_per_node=16)
     run = _run_frame([{"metric": "x", "value": 0}], P=16, devices_per_node=8)
-    assert cm.same_nodes(run, two_nodes) and not cm.same_nodes(run, one_node)
+    assert projection.same_nodes(run, two_nodes) and not projection.same_nodes(run, one_node)
     undeclared = _run_frame([{"metric": "x", "value": 0}], P=16, devices_per_node=0)
-    assert cm.same_nodes(undeclared, two_nodes) and cm.same_nodes(undeclared, one_node)
+    assert projection.same_nodes(undeclared, two_nodes) and projection.same_nodes(undeclared, one_node)
 
 
 # ---------------------------------------------------------------------------
@@ -335,7 +331,7 @@ def test_runs_grouped_into_nodes_project_only_onto_the_same_layout():
 
 
 def test_node_traffic_and_exposed_communication_by_hand():
-    from analysis.strategies import exposed_ms, node_traffic
+    from analysis.figures.strategies import exposed_ms, node_traffic
     sent = [(0, 1, 100.0), (0, 2, 50.0), (1, 3, 0.0), (2, 2, 999.0)]     # in-node, across, empty, to itself
     rows = [{"metric": "bytes", "value": v, "unit": "bytes", "phase": "dispatch", "pass": "forward",
              "src_rank": s, "dst_rank": d} for s, d, v in sent]

@@ -20,7 +20,7 @@ What is logged is each collective's *logical* traffic, per (source, destination)
 an all-gather sends the rank's rows to every peer, a broadcast sends the source's rows to
 every peer, a reduce sends every rank's rows to the destination, a reduce-scatter sends
 block j to rank j. How a backend moves them (rings, trees) is the backend's business; the
-cost model (:mod:`analysis.costmodel`) prices each kind. Rows a rank keeps for itself
+cost model (:mod:`analysis.pricing`) prices each kind. Rows a rank keeps for itself
 are logged as sent to itself (free in every model).
 
 Backends: gloo (this CPU) has all-gather only for equal row counts, so an all-gather of

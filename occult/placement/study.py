@@ -1,6 +1,6 @@
 """The expert-placement study's pure parts: judging a placement on held-out routing, the
 jobs, the results table and the artifacts (the ranks' part is
-:mod:`occult.tasks.placement_study`, the figure :func:`analysis.studies.placement_study`).
+:mod:`occult.tasks.placement_study`, the figure :mod:`analysis.figures.placement_study`).
 
 Shapes: T tokens, K top-k, E experts, P devices.
 """

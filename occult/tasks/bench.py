@@ -17,7 +17,7 @@ right after itself as a plain ``all_to_all_single`` of the same split sizes
 (``raw_a2a_time`` beside ``a2a_time_paired``): the harness's own overhead; for whole models the same replay gives
 what the bytes alone can buy at the proxy's width (:func:`model_replay_rows`). Each system's
 rows carry its own ``system``, ``impl``, ``system_options`` and ``run_id``;
-:func:`analysis.bench.bench_report` turns them into ratios.
+:mod:`analysis.figures.bench` turns them into ratios.
 """
 from __future__ import annotations
 

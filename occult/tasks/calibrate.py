@@ -4,7 +4,7 @@ Equal-split ``all_to_all_single`` calls at a few message sizes (each after a
 burst of compute and a barrier, as in a layer: with more ranks than cores a
 rank that computed up to the barrier is often descheduled when the collective
 starts, which a tight loop of collectives would miss), then the shared grouped
-SwiGLU experts at two row counts, all ranks at once. :mod:`analysis.calibrate`
+SwiGLU experts at two row counts, all ranks at once. :mod:`analysis.calibration`
 fits a latency/bandwidth line and a matmul rate to these rows.
 
 Runs as its own sweep point (``task=calibrate``: :func:`run_rank`; ``python run.py

@@ -20,7 +20,7 @@ rank 0 writes into the run folder one placement artifact per cap,
 ``placements_cap-<cap>.json``: for each cap the best placement per layer (lowest
 profiling C_T among the optimisers that meet the cap on the profiling set), for
 ``system=occult_placed system.placement_file=...``. The report builder
-:func:`analysis.studies.placement_study` draws the table and the C_T-vs-load front.
+:mod:`analysis.figures.placement_study` draws the table and the C_T-vs-load front.
 
 Shapes: T tokens, K top-k, E experts, P devices.
 """

@@ -10,7 +10,7 @@ One table and one figure from the sweep's result tables:
 * **exposed communication** per MoE layer, measured here: the MoE layer's time minus its
   expert compute (the time no computation hid);
 * **time ratios to naive EP**: measured here (P = 4, the task's latency), and projected by
-  the cost model (:mod:`analysis.costmodel`, labelled projected) for the MoE layers of the
+  the cost model (:mod:`analysis.projection`, labelled projected) for the MoE layers of the
   real model on 4 x RTX A6000 (from the P = 4 runs), 8 x H100 (P = 8) and 2 nodes of
   8 x H100 (P = 16).
 
@@ -26,10 +26,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import costmodel as cm
-from .figures import Section, _no_data
-from .plots import plt, save, style, system_order
-from .summary import RUN_KEYS, ratio_to, task_latency
+from occult.ep.links import load_profile
+
+from ..plots import plt, save, style, system_order
+from ..projection import pipeline_degree, project_runs, projected_totals, target_model
+from ..sections import Section, no_data
+from ..summary import RUN_KEYS, ratio_to, task_latency
 
 # where each machine's projection comes from: (column, profile, world size of its runs)
 MACHINES = [("4 x A6000", "sim_a6000x4", 4), ("8 x H100", "sim_h100x8", 8), ("2 x 8 H100", "sim_h100x2node", 16)]
@@ -37,10 +39,9 @@ MEASURED_WORLD = 4
 WHOLE_MODEL_TASKS = ["prefill", "train", "decode"]
 
 
-def arm_of(run: pd.DataFrame) -> str:
-    """What the report calls a run's system: its experiment label, else its system name."""
-    label = str(run["label"].iloc[0]) if "label" in run else ""
-    return label or str(run.system.iloc[0])
+# what one row of the table is: a system (with the label an experiment gave one of its
+# configs, e.g. hierarchical's dedup modes) on a model and task, joined across world sizes
+ROW_KEYS = ["model", "task", "system", "label"]
 
 
 def node_traffic(run: pd.DataFrame, direction: str = "forward") -> dict:
@@ -83,18 +84,13 @@ def exposed_ms(run: pd.DataFrame) -> float:
 
 
 def run_summary(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per whole-model run: its arm, traffic, collectives and exposed communication."""
+    """One row per whole-model run (``run_id``): traffic, collectives and exposed communication."""
     out = []
-    for run_dir, run in df[df.task.isin(WHOLE_MODEL_TASKS)].groupby("run_dir"):
-        out.append({**{k: run[k].iloc[0] for k in RUN_KEYS + ["system"]}, "run_dir": run_dir, "arm": arm_of(run),
+    for run_id, run in df[df.task.isin(WHOLE_MODEL_TASKS)].groupby("run_id", sort=False):
+        out.append({**{k: run[k].iloc[0] for k in RUN_KEYS + ["system", "label"]}, "run_id": run_id,
                     **node_traffic(run), "collectives_per_layer": collectives_per_layer(run),
                     "exposed_comm_ms_per_layer": exposed_ms(run)})
     return pd.DataFrame(out)
-
-
-def _ratio_by_arm(table: pd.DataFrame, column: str) -> pd.Series:
-    """``column`` over naive EP's in the same sweep point keys (the arm ``naive``)."""
-    return ratio_to(table.assign(system=table.arm), column)
 
 
 def projections(df: pd.DataFrame) -> pd.DataFrame:
@@ -103,53 +99,64 @@ def projections(df: pd.DataFrame) -> pd.DataFrame:
     frames = []
     for machine, profile_name, P in MACHINES:
         runs = df[(df.world_size == P) & df.task.isin(WHOLE_MODEL_TASKS)]      # not the pipelining study's layers
-        tot = cm.projected_totals(cm.project_runs(runs, cm.load_profile(profile_name), target="real"))
+        tot = projected_totals(project_runs(runs, load_profile(profile_name), target="real"))
         if tot.empty:
             continue
-        arms = {d: arm_of(r) for d, r in runs.groupby("run_dir")}
-        tot["arm"] = tot.run_dir.map(arms)
-        tot["ratio"] = _ratio_by_arm(tot, "moe_ms")
+        tot["label"] = tot.run_id.map(runs.groupby("run_id").label.first())
+        tot["ratio"] = ratio_to(tot, "moe_ms")
         tot["machine"] = machine
         frames.append(tot)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
+def _by_row(table: pd.DataFrame, other: pd.DataFrame, column: str) -> pd.Series:
+    """Per row of ``table`` (one run at P = MEASURED_WORLD), ``other``'s ``column`` in the
+    same :data:`ROW_KEYS`: its own run's where ``other`` holds it (same ``run_id``), else
+    the median over the runs of another world size with those keys."""
+    if other.empty:
+        return pd.Series(np.nan, index=table.index)
+    own = table.run_id.map(other.groupby("run_id")[column].first())
+    same_keys = other.groupby(ROW_KEYS)[column].median()
+    keyed = table.set_index(ROW_KEYS).index.map(lambda k: same_keys.get(k, np.nan)).to_numpy(dtype=float)
+    return own.fillna(pd.Series(keyed, index=table.index))
+
+
 def strategies_table(df: pd.DataFrame) -> pd.DataFrame:
-    """The report's table: one row per (model, task, arm)."""
+    """The report's table: one row per run at P = MEASURED_WORLD (``run_id``), with the
+    runs of the other world sizes that have its :data:`ROW_KEYS` beside it."""
     runs = run_summary(df)
     lat = task_latency(df)
     if runs.empty or lat.empty:
         return pd.DataFrame()
-    lat["arm"] = lat.run_dir.map(dict(zip(runs.run_dir, runs.arm)))
-    here = lat[lat.world_size == MEASURED_WORLD].copy()
-    here["measured_vs_naive"] = _ratio_by_arm(here, "latency_ms")
-    keys = ["model", "task", "arm"]
-    table = here[keys + ["system", "latency_ms", "measured_vs_naive"]].set_index(keys)
-    p4 = runs[runs.world_size == MEASURED_WORLD].set_index(keys)
-    table["remote_MB_P4"] = p4.remote_MB
-    table["collectives_per_layer"] = p4.collectives_per_layer
-    table["exposed_comm_ms_per_layer"] = p4.exposed_comm_ms_per_layer
-    p16 = runs[runs.world_size == 16].set_index(keys)
-    table["intra_MB_P16"], table["inter_MB_P16"] = p16.intra_MB, p16.inter_MB
-    table["inter_messages_P16"] = p16.inter_messages
+    table = lat[lat.world_size == MEASURED_WORLD].copy()
+    table["measured_vs_naive"] = ratio_to(table, "latency_ms")
+    table = table[ROW_KEYS + ["latency_ms", "measured_vs_naive", "run_id"]].reset_index(drop=True)
+    here, p16 = runs[runs.world_size == MEASURED_WORLD], runs[runs.world_size == 16]
+    for column, frame, source in (("remote_MB_P4", here, "remote_MB"),
+                                  ("collectives_per_layer", here, "collectives_per_layer"),
+                                  ("exposed_comm_ms_per_layer", here, "exposed_comm_ms_per_layer"),
+                                  ("intra_MB_P16", p16, "intra_MB"), ("inter_MB_P16", p16, "inter_MB"),
+                                  ("inter_messages_P16", p16, "inter_messages")):
+        table[column] = _by_row(table, frame, source)
     proj = projections(df)
     for machine, _, _ in MACHINES:
-        sel = proj[proj.machine == machine].set_index(keys) if not proj.empty else pd.DataFrame()
-        table[f"projected_vs_naive {machine}"] = sel.ratio if not sel.empty else np.nan
-    return table.reset_index().sort_values(["model", "task", "measured_vs_naive"])
+        sel = proj[proj.machine == machine] if not proj.empty else pd.DataFrame()
+        table[f"projected_vs_naive {machine}"] = _by_row(table, sel, "ratio")
+    return table.sort_values(["model", "task", "measured_vs_naive"])
 
 
 def winners_figure(table: pd.DataFrame, out_dir: Path) -> list:
-    """Per (model, task): every arm's time ratio to naive on each machine (measured here,
-    projected elsewhere), the best of each machine boxed."""
+    """Per (model, task): every system's (and labelled config's) time ratio to naive on each
+    machine (measured here, projected elsewhere), the best of each machine boxed."""
     cols = ["measured_vs_naive"] + [f"projected_vs_naive {m}" for m, _, _ in MACHINES]
     names = [f"here, P = {MEASURED_WORLD}\n(measured)"] + [f"{m}\n(projected)" for m, _, _ in MACHINES]
-    panels = list(table.groupby(["model", "task"]))
     style()
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.4 * len(panels), 0.34 * table.arm.nunique() + 2.2),
-                             squeeze=False, gridspec_kw={"wspace": 0.6})     # room for each panel's arm names
+    named = table.assign(name=table.system.where(table.label == "", table.label))
+    panels = list(named.groupby(["model", "task"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.4 * len(panels), 0.34 * named.name.nunique() + 2.2),
+                             squeeze=False, gridspec_kw={"wspace": 0.6})     # room for each panel's row names
     for ax, ((model, task), t) in zip(axes[0], panels):
-        t = t.set_index("arm").loc[system_order(t.arm)]
+        t = t.iloc[np.argsort([system_order(t.system).index(s) for s in t.system], kind="stable")].set_index("name")
         values = t[cols].to_numpy(dtype=float)
         im = ax.imshow(np.log2(values), cmap="RdYlGn_r", vmin=-1.5, vmax=1.5, aspect="auto")
         for i in range(values.shape[0]):
@@ -170,12 +177,12 @@ def winners_figure(table: pd.DataFrame, out_dir: Path) -> list:
     return save(fig, Path(out_dir) / "strategies_winners")
 
 
-def strategies(df: pd.DataFrame, out_dir: Path) -> list[Section]:
+def build(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     """The strategies report: the table, the winners figure, the pipelining study."""
     title = "The field's exact strategies beside Occult"
     table = strategies_table(df)
     if table.empty:
-        return _no_data(title, f"whole-model runs at P = {MEASURED_WORLD}")
+        return no_data(title, f"whole-model runs at P = {MEASURED_WORLD}")
     figs = winners_figure(table, out_dir)
     text = [f"One row per model, task and system. Measured here (P = {MEASURED_WORLD} ranks on this "
             "machine's cores): the task's latency (prefill: time to first token; train: step time; slowest "
@@ -198,22 +205,21 @@ def strategies(df: pd.DataFrame, out_dir: Path) -> list[Section]:
 
 
 def two_nodes(df: pd.DataFrame) -> list[Section]:
-    """Every arm at P = 16 as 2 nodes of 8: bytes within and across nodes, messages across
+    """Every system (and labelled config) at P = 16 as 2 nodes of 8: bytes within and across nodes, messages across
     nodes, collectives, and the projected MoE time on 2 x 8 H100 over naive's."""
     runs = run_summary(df)
     runs = runs[(runs.world_size == 16) & (runs.devices_per_node == 8)]
     if runs.empty:
         return []
-    proj = projections(df[df.run_dir.isin(runs.run_dir)])
-    table = runs[["model", "task", "arm", "intra_MB", "inter_MB", "inter_messages", "collectives_per_layer"]].copy()
-    base = runs[runs.arm == "naive"].set_index(["model", "task"]).inter_MB
-    table["inter_MB_vs_naive"] = [row.inter_MB / base.get((row.model, row.task), np.nan) for row in runs.itertuples()]
+    proj = projections(df[df.run_id.isin(runs.run_id)])
+    table = runs[ROW_KEYS + ["intra_MB", "inter_MB", "inter_messages", "collectives_per_layer", "run_id"]].copy()
+    table["inter_MB_vs_naive"] = ratio_to(runs, "inter_MB", keys=["model", "task"])
     if not proj.empty:
-        table["projected_vs_naive 2 x 8 H100"] = runs.run_dir.map(dict(zip(proj.run_dir, proj.ratio))).to_numpy()
+        table["projected_vs_naive 2 x 8 H100"] = table.run_id.map(proj.groupby("run_id").ratio.first())
     text = ["P = 16 ranks as 2 nodes of 8 (cluster.devices_per_node=8), one iteration, forward pass: MB per "
             "iteration (all ranks) to ranks of the same node and of the other node, the (source, destination) "
             "pairs per rank and MoE layer that carried rows across nodes, collectives per layer, and the "
-            "projected MoE time on 2 x 8 H100 over naive EP's. Hierarchical's arms are its dedup modes."]
+            "projected MoE time on 2 x 8 H100 over naive EP's. Hierarchical's labels are its dedup modes."]
     return [Section("Two nodes of eight: intra- and inter-node traffic", text,
                     [("two_nodes", table.sort_values(["model", "task", "inter_MB"]))], [])]
 
@@ -226,20 +232,19 @@ def pipelining(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     if layer.empty or not (layer.system == "pipelined").any():
         return []
     rows = []
-    for run_dir, run in layer.groupby("run_dir"):
+    for run_id, run in layer.groupby("run_id", sort=False):
         t = run[(run.metric == "time") & (run["sample"] >= 0) & (run["pass"] == "forward")]
         slow = lambda phase: t[t.phase == phase].groupby(["sample", "rank"]).value.sum().groupby("sample").max().median()
-        degree = int(cm.pipeline_degree(run, 0))
-        rows.append({"arm": arm_of(run), "system": run.system.iloc[0], "world_size": int(run.world_size.iloc[0]),
-                     "degree": degree, "layer_fwd_ms": slow("layer"), "experts_ms": slow("experts"),
-                     "exposed_comm_ms": exposed_ms(run), "run_dir": run_dir})
+        degree = int(pipeline_degree(run, 0))
+        rows.append({"system": run.system.iloc[0], "label": run.label.iloc[0],
+                     "world_size": int(run.world_size.iloc[0]), "degree": degree, "layer_fwd_ms": slow("layer"),
+                     "experts_ms": slow("experts"), "exposed_comm_ms": exposed_ms(run), "run_id": run_id})
     table = pd.DataFrame(rows)
     for machine, profile_name, P in MACHINES:
         runs = layer[layer.world_size == P]
-        tot = cm.projected_totals(cm.project_runs(runs, cm.load_profile(profile_name),
-                                                  cm.target_model("olmoe_layer")))
+        tot = projected_totals(project_runs(runs, load_profile(profile_name), target_model("olmoe_layer")))
         if not tot.empty:
-            table[f"projected ms {machine}"] = table.run_dir.map(dict(zip(tot.run_dir, tot.moe_ms)))
+            table[f"projected ms {machine}"] = table.run_id.map(tot.groupby("run_id").moe_ms.first())
     text = ["task=layer at the comm-heavy shape of conf/experiment/strategies.yaml (grid `pipe`), forward "
             "only: the layer's time, its expert compute and the rest (exposed communication), measured "
             "here, slowest rank, median over samples; projected: the same runs' bytes and FLOPs at "
@@ -247,4 +252,4 @@ def pipelining(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             "component). Here the 2 cores run the ranks' experts and gloo's transfers alike, so chunks "
             "add collectives and latency and can hide little."]
     return [Section("Pipelining: degree against exposed communication", text,
-                    [("pipelining", table.drop(columns=["run_dir"]).sort_values(["system", "degree"]))], [])]
+                    [("pipelining", table.drop(columns=["run_id"]).sort_values(["system", "degree"]))], [])]

@@ -24,7 +24,7 @@ with the defaults below), and one placement artifact per (model, P),
 
     python run.py experiment=exflow_affinity                    # the three proxies
     python run.py experiment=exflow_affinity hydra.sweeper.params.model=olmoe_proxy
-    python -m analysis.exflow_affinity runs/exflow_affinity --world-sizes 4 8 --time-limit 60
+    python -m analysis.figures.exflow_affinity runs/exflow_affinity --world-sizes 4 8 --time-limit 60
 """
 from __future__ import annotations
 
@@ -33,11 +33,16 @@ import math
 from pathlib import Path
 
 import pandas as pd
+import seaborn as sns
 
 from baselines.exflow_placement import (SOURCES, conditional_probability, contiguous_placements,
                                         cross_device_fraction, place_by_affinity, routing_from_trace,
                                         save_exflow_placements, transition_counts)
 from occult.routing_traces import load_trace
+
+from ..plots import save, style
+from ..sections import Section
+from ..traces import traced_runs
 
 CSV_NAME = "exflow_affinity.csv"
 
@@ -112,10 +117,6 @@ def study_run(run_dir, ctx: dict, out_dir, world_sizes, time_limit_s: float, sou
 def plot_affinity(table: pd.DataFrame, out_dir: Path) -> list[Path]:
     """Held-out cross-device share, contiguous vs affinity placement, per model and P (the
     dashed line: (P - 1) / P, the share under a placement unrelated to the routing)."""
-    from .plots import save, style
-
-    import seaborn as sns
-
     style()
     held = table[table.split == "heldout"].melt(
         id_vars=["model", "world_size"], value_vars=["contiguous", "exflow_ip"],
@@ -131,24 +132,20 @@ def plot_affinity(table: pd.DataFrame, out_dir: Path) -> list[Path]:
     return save(g.figure, Path(out_dir) / "exflow_affinity")
 
 
-WORLD_SIZES = (4, 8)
-TIME_LIMIT_S = 60.0
 CONTEXT = ("model", "num_experts", "top_k", "batch_size", "seq_len")
 
 
-def study(df: pd.DataFrame, out_dir, world_sizes=WORLD_SIZES, time_limit_s: float = TIME_LIMIT_S,
-          source: str = "primary", heldout_share: float = 0.5) -> pd.DataFrame:
+def study(df: pd.DataFrame, out_dir, world_sizes, time_limit_s: float, source: str = "primary", heldout_share: float = 0.5) -> pd.DataFrame:
     """Every run of ``df`` (:func:`analysis.load.load_runs`) whose folder holds a routing
     trace: the table (also written as CSV), the figure and the placement artifacts."""
     if source not in SOURCES:
         raise ValueError(f"source={source!r}: allowed values are {list(SOURCES)}")
     out_dir = Path(out_dir)
     rows = []
-    for run_dir, run in df.groupby("run_dir"):
-        if (Path(run_dir) / "routing.parquet").is_file():
-            ctx = run.iloc[0][list(CONTEXT)].to_dict()
-            rows += study_run(run_dir, ctx, out_dir, [int(p) for p in world_sizes], time_limit_s, source,
-                              heldout_share)
+    for run_dir, run in traced_runs(df):
+        ctx = run.iloc[0][list(CONTEXT)].to_dict()
+        rows += study_run(run_dir, ctx, out_dir, [int(p) for p in world_sizes], time_limit_s, source,
+                          heldout_share)
     table = pd.DataFrame(rows)
     if not table.empty:
         table.to_csv(out_dir / CSV_NAME, index=False)
@@ -159,20 +156,18 @@ SHOWN = ["model", "top_k", "world_size", "split", "tokens", "contiguous", "exflo
          "affinity_top1", "independent_top1", "solver_s", "proved_optimal", "programs", "ip_gain_over_start"]
 
 
-def exflow_affinity(df: pd.DataFrame, out_dir) -> list:
-    """Report builder (``report: analysis.exflow_affinity.exflow_affinity``): the study with
-    the defaults (P in :data:`WORLD_SIZES`, :data:`TIME_LIMIT_S` per model and P)."""
-    from .figures import Section
-
+def build(df: pd.DataFrame, out_dir, *, world_sizes, time_limit_s: float) -> list:
+    """Report builder: the study at the experiment's world sizes and solver budget per
+    model and P (``report_options.exflow_affinity`` in conf/experiment/exflow_affinity.yaml)."""
     title = "ExFlow: inter-layer expert affinity and placement"
-    table = study(df, out_dir)
+    table = study(df, out_dir, world_sizes, time_limit_s)
     if table.empty:
         return [Section(title, ["Not drawn: these runs have no routing trace (task.save_routing=true)."])]
     text = ["Hops between consecutive MoE layers, from each token's highest-weight expert at layer l to "
             "every expert of its top-k at l+1 (the device a token would sit on under ExFlow's context "
             "coherence), computed from the prefill's routing trace and the placements: not measured "
             "traffic. The placement is fitted on the profile half of the sequences (integer programs, "
-            f"HiGHS, recursive bisection, {TIME_LIMIT_S:g} s per model and P) and judged on the held-out "
+            f"HiGHS, recursive bisection, {time_limit_s:g} s per model and P) and judged on the held-out "
             "half. `affinity_top1`: how often a source expert's likeliest successor is in the token's "
             "top-k (`independent_top1` = K/E if layer l+1 ignored layer l). `ip_gain_over_start`: share "
             "of hops the solver removed beyond its descent start.",
@@ -190,13 +185,18 @@ def print_summary(table: pd.DataFrame) -> None:
 
 
 def main(argv=None) -> None:
-    from .load import load_runs
+    from occult.config import read_conf
 
+    from ..load import load_runs
+
+    defaults = read_conf("experiment", "exflow_affinity").report_options["exflow_affinity"]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+", help="run or sweep folders with prefill runs that saved routing traces")
     ap.add_argument("--out", default=None, help="where to write (default: the first folder)")
-    ap.add_argument("--world-sizes", type=int, nargs="+", default=list(WORLD_SIZES))
-    ap.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, help="solver budget per (model, P), seconds")
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=list(defaults["world_sizes"]),
+                    help="default: the experiment's (conf/experiment/exflow_affinity.yaml)")
+    ap.add_argument("--time-limit", type=float, default=float(defaults["time_limit_s"]),
+                    help="solver budget per (model, P), seconds; default: the experiment's")
     ap.add_argument("--source", choices=SOURCES, default="primary")
     ap.add_argument("--heldout-share", type=float, default=0.5)
     args = ap.parse_args(argv)

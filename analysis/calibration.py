@@ -1,7 +1,8 @@
-"""Calibrates the cost model on this machine: loopback all-to-all and expert matmul throughput.
+"""The calibration fit: this machine's loopback all-to-all and expert matmul throughput,
+as a projection profile.
 
-    python run.py experiment=calibrate                 # P = 2, 4, 8; writes conf/profile/sim_cpu_loopback.yaml
-    python -m analysis.calibrate runs/calibrate --out /tmp/cpu.yaml   # refit from those runs
+    python run.py experiment=calibrate        # P = 2, 4, 8; writes runs/calibrate/sim_cpu_loopback.yaml
+    python -m analysis.calibration runs/calibrate --out /tmp/cpu.yaml   # refit from those runs
 
 For each world size P, P ranks (gloo on loopback, as every CPU run) run the
 measurement of :mod:`occult.tasks.calibrate` (``task=calibrate``): equal-split all-to-alls at a few
@@ -10,7 +11,7 @@ SwiGLU experts of task=layer's default width on the e = 64 / P local experts
 at two row counts. Here a line ``time = latency + bytes / bandwidth`` is
 fitted per P (per call the slowest rank, then the median over repetitions;
 ``bytes``: what one rank sends to the others in one call, the quantity
-:mod:`analysis.costmodel` uses), on relative residuals, with latency and
+:mod:`analysis.pricing` uses), on relative residuals, with latency and
 bandwidth kept positive; and ``time = e x per-expert overhead + FLOPs /
 throughput`` gives the matmul throughput and the per-expert call overhead
 (Python and small-GEMM cost, which a CPU pays per expert).
@@ -21,7 +22,10 @@ size (``calibration``). The same measurement runs inside a task=layer run
 (``task.calibrate=true``), right before its timed iterations, so that an
 experiment calibrates under the load its own runs see; :func:`fit_points`
 turns either's rows into profile points. Nothing here starts ranks: it reads
-result tables.
+result tables. A measured profile is written where its runs are (the report folder),
+never over the tracked ``conf/profile/sim_cpu_loopback.yaml``: pass it by path
+(``--profile runs/calibrate/sim_cpu_loopback.yaml``, ``system.profile=<path>``), or copy it
+there to make it this checkout's default.
 """
 from __future__ import annotations
 
@@ -34,10 +38,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from occult.config import CONF_DIR
 from occult.records import device_name
 
-DEFAULT_PROFILE = CONF_DIR / "profile" / "sim_cpu_loopback.yaml"
+PROFILE_FILE = "sim_cpu_loopback.yaml"      # the measured profile's file name in a run folder
 
 
 def fit_line(x, y) -> tuple[float, float]:
@@ -57,13 +60,13 @@ def fit_line(x, y) -> tuple[float, float]:
 
 def fit_points(df: pd.DataFrame) -> list[dict]:
     """Profile points from calibration rows: one per world size (several runs of one P:
-    the latest). Keys: world_size, latency_us, GBps, TFLOPs, points [(bytes, ms)]."""
+    the latest, by its rows' ``time``). Keys: world_size, latency_us, GBps, TFLOPs, points [(bytes, ms)]."""
     out = []
     cal = df[df.metric.str.startswith("calib_")]
     if cal.empty:
         return out
     for P, by_p in cal.groupby("world_size"):
-        run = by_p[by_p.run_dir == sorted(by_p.run_dir.unique())[-1]] if "run_dir" in by_p else by_p
+        run = by_p[by_p.run_id == by_p.groupby("run_id").time.max().idxmax()]      # the latest run of P
         sizes = run[run.metric == "calib_bytes"].set_index("layer").value
         t = run[run.metric == "calib_a2a_time"]
         slowest = t.groupby(["layer", "sample"]).value.max().groupby("layer").median()
@@ -93,7 +96,7 @@ def _fit_experts(run: pd.DataFrame) -> tuple[float, float]:
 
 
 def profile_dict(points: list[dict], source: str) -> dict:
-    """A ``sim_cpu_loopback`` profile (the fields :func:`analysis.costmodel.profile_from_dict` reads)."""
+    """A ``sim_cpu_loopback`` profile (the fields :func:`occult.ep.links.profile_from_dict` reads)."""
     return {"name": "sim_cpu_loopback", "world_size": 0, "backend": "gloo",
             "dtype": "float32", "source": source,
             "calibration": [{"world_size": int(p["world_size"]),
@@ -107,13 +110,14 @@ def profile_yaml(points: list[dict]) -> str:
     lines = ["# This machine's loopback (gloo, P processes on one host), MEASURED by",
              "#   python run.py experiment=calibrate",
              f"# on {device_name()} ({platform.node()}, {os.cpu_count()} cores), {stamp}.",
-             "# A projection profile (conf/profile), not a cluster to run on. Per world size P:",
+             "# A projection profile (pass it by path, or copy it into conf/profile), not a cluster",
+             "# to run on. Per world size P:",
              "# all-to-all latency and bandwidth fitted to bytes a rank sends to the others in one",
              "# call (each after compute, as in a layer), and the per-rank expert matmul throughput",
              "# and per-expert overhead with P ranks at once. Measured on a shared machine: rerun",
              "# the calibration before trusting it elsewhere.",
              "name: sim_cpu_loopback", "world_size: 0", "backend: gloo",
-             "dtype: float32", f"source: measured by analysis.calibrate on {platform.node()}, {stamp}",
+             "dtype: float32", f"source: measured by analysis.calibration on {platform.node()}, {stamp}",
              "calibration:"]
     for p in points:
         lines.append(f"  - {{world_size: {p['world_size']}, latency_us: {p['latency_us']:.1f}, "
@@ -122,32 +126,12 @@ def profile_yaml(points: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def calibration_profile(df: pd.DataFrame, out_dir) -> list:
-    """Report builder (``experiment=calibrate``): fits the calibration rows of the runs and
-    writes the profile into the report folder and ``conf/profile/sim_cpu_loopback.yaml``
-    (what the cost model reads for this machine)."""
-    from .figures import Section
-
-    points = fit_points(df)
-    title = "Loopback calibration (cost-model profile of this machine)"
-    if not points:
-        return [Section(title, ["Not fitted: these runs have no calibration rows (task=calibrate)."])]
-    text = profile_yaml(points)
-    (Path(out_dir) / "sim_cpu_loopback.yaml").write_text(text)
-    DEFAULT_PROFILE.write_text(text)
-    table = pd.DataFrame([{k: p[k] for k in ("world_size", "latency_us", "GBps", "TFLOPs", "expert_call_us")}
-                          for p in points])
-    return [Section(title, [f"Written: {DEFAULT_PROFILE} (and a copy in this folder). Per world size P: "
-                            "all-to-all latency and bandwidth fitted to the bytes a rank sends per call, "
-                            "and the expert matmul rate with P ranks at once."], [("calibration", table)])]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", help="run or sweep folders with calibration rows (task=calibrate)")
-    ap.add_argument("--out", default=str(DEFAULT_PROFILE), help="profile to write")
+    ap.add_argument("--out", default=None, help=f"profile to write (default: <first path>/{PROFILE_FILE})")
     args = ap.parse_args()
-    from .load import load_runs
+    from analysis.load import load_runs
 
     points = fit_points(load_runs(args.paths))
     if not points:
@@ -156,8 +140,9 @@ def main() -> None:
         print(f"P={pt['world_size']}: latency {pt['latency_us']:.0f} us, {pt['GBps']:.3f} GB/s, "
               f"{pt['TFLOPs'] * 1e3:.1f} GFLOP/s + {pt['expert_call_us']:.0f} us per expert per rank; " +
               ", ".join(f"{b / 1e6:.2f} MB {m:.2f} ms" for b, m in pt["points"]), flush=True)
-    Path(args.out).write_text(profile_yaml(points))
-    print(args.out)
+    out = Path(args.out or Path(args.paths[0]) / PROFILE_FILE)
+    out.write_text(profile_yaml(points))
+    print(out)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 
     python run.py experiment=bench        # make bench: runs the benchmark, then this report
 
-:func:`bench_report` (the experiment's ``report`` builder) writes ``bench.md`` and
-``bench.csv`` (layers) and ``bench_models.csv`` (whole models), each system's figures
-and its ratios to the first system of ``task.compare``:
+:func:`build` (``report: bench``) writes ``bench.md`` and ``bench.csv`` (layers) and
+``bench_models.csv`` (whole models): one row per run (``run_id``: each compared system
+config of a world is its own run), its figures and its ratios to the first system of
+``task.compare`` with the same run keys:
 
 * layers: remote bytes, all-to-all time per phase and pass, layer time forward and
   forward+backward (with the range over paired samples: iterations alternate, so each
@@ -23,8 +24,9 @@ and its ratios to the first system of ``task.compare``:
   ratio a system would reach if its only difference from the baseline were that
   replayed transfer time, (baseline's iteration - its raw all-to-all + the system's) /
   baseline's iteration;
-* the targets of the "Occult at its limit" work, each with its measured value and, where
-  one is measured, its floor (``measured_floor``, named in ``floor_is``).
+* the targets of the "Occult at its limit" work (``report_options.bench`` of
+  conf/experiment/bench.yaml: shapes, columns and bounds), each with its measured value
+  and, where one is measured, its floor (``measured_floor``, named in ``floor_is``).
 
 Nothing here starts ranks: it reads result tables.
 """
@@ -34,15 +36,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from .summary import TASK_LATENCY, run_table
-
-# (what, shape or "models", column, bound): occult / naive ratios the benchmark aims at
-TARGETS = [("comm-bound layer, forward", "bench_comm", "layer_fwd_ms_ratio", 0.58),
-           ("comm-bound layer, forward+backward", "bench_comm", "layer_fwd_bwd_ms_ratio", 0.62),
-           ("OLMoE-shaped layer, forward", "bench_olmoe", "layer_fwd_ms_ratio", 0.90),
-           ("OLMoE-shaped layer, forward+backward", "bench_olmoe", "layer_fwd_bwd_ms_ratio", 0.90),
-           ("Occult's index work / forward layer time, comm-bound", "bench_comm", "own_index_work_share_fwd", 0.25)]
-
+from ..sections import Section
+from ..summary import RUN_KEYS, TASK_LATENCY, baseline_value, ratio_to, run_table
 
 # what a target's measured floor is (the targets table's floor_is column)
 FLOOR_IS = {"layer": "route + collectives + experts step, index work and waits free (layer_*_floor_ratio)",
@@ -52,22 +47,20 @@ FLOOR_IS = {"layer": "route + collectives + experts step, index work and waits f
 def ratio_table(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
     """Per shape: each system's figures and its ratios to ``baseline``."""
     table = run_table(df)
-    act = df[df.metric == "activation_bytes"].groupby("run_dir").value.max() / 1e6
-    table["activation_MB_max_rank"] = table.run_dir.map(act)
-    table["own_index_work_share_fwd"] = table.run_dir.map(_index_share(df))
-    table["a2a_efficiency"] = table.run_dir.map(_a2a_efficiency(df))
+    act = df[df.metric == "activation_bytes"].groupby("run_id").value.max() / 1e6
+    table["activation_MB_max_rank"] = table.run_id.map(act)
+    table["own_index_work_share_fwd"] = table.run_id.map(_index_share(df))
+    table["a2a_efficiency"] = table.run_id.map(_a2a_efficiency(df))
     for col, passes in (("layer_fwd", ("forward",)), ("layer_fwd_bwd", ("forward", "backward"))):
-        table[f"{col}_floor_ms"] = table.run_dir.map(_floor(df, passes))
-        base_layer = table[table.system == baseline].set_index("model")[f"{col}_ms"]
-        table[f"{col}_floor_ratio"] = table[f"{col}_floor_ms"] / table.model.map(base_layer)
+        table[f"{col}_floor_ms"] = table.run_id.map(_floor(df, passes))
+        table[f"{col}_floor_ratio"] = table[f"{col}_floor_ms"] / baseline_value(table, f"{col}_ms", baseline)
     cols = ["dispatch_remote_MB", "a2a_dispatch_fwd_ms", "a2a_combine_fwd_ms", "a2a_dispatch_bwd_ms",
             "a2a_combine_bwd_ms", "layer_fwd_ms", "layer_fwd_bwd_ms", "activation_MB_max_rank"]
     for col in cols:
-        base = table[table.system == baseline].set_index("model")[col]
-        table[f"{col}_ratio"] = table[col] / table.model.map(base)
+        table[f"{col}_ratio"] = ratio_to(table, col, baseline)
     for direction in ("forward", "forward+backward"):
         spread = _paired_ratio_range(df, baseline, direction)
-        table[f"layer_{direction}_paired_ratio_range"] = table.run_dir.map(spread)
+        table[f"layer_{direction}_paired_ratio_range"] = table.run_id.map(spread)
     return table
 
 
@@ -75,10 +68,10 @@ def _paired_ratio_range(df: pd.DataFrame, baseline: str, direction: str) -> pd.S
     """Per run, '[min, max]' over samples of (its layer time / the baseline's layer time in
     the same sample): iterations alternate between systems, so each sample is a pair."""
     sel = df[(df.metric == "time") & (df.phase == "layer") & (df["pass"] == direction) & (df["sample"] >= 0)]
-    slow = sel.groupby(["model", "system", "run_dir", "sample"]).value.max().reset_index()
+    slow = sel.groupby(["model", "system", "run_id", "sample"]).value.max().reset_index()
     base = slow[slow.system == baseline].set_index(["model", "sample"]).value
     slow["ratio"] = slow.value / slow.set_index(["model", "sample"]).index.map(base).to_numpy()
-    agg = slow.groupby("run_dir").ratio.agg(["min", "max"])
+    agg = slow.groupby("run_id").ratio.agg(["min", "max"])
     return agg.apply(lambda r: f"[{r['min']:.2f}, {r['max']:.2f}]", axis=1)
 
 
@@ -90,9 +83,9 @@ def _index_share(df: pd.DataFrame) -> pd.Series:
     layer = t[(t.phase == "layer") & (t["pass"] == "forward")]
     if own.empty:
         return pd.Series(dtype=float)
-    own_s = own.groupby(["run_dir", "sample", "rank"]).value.sum()
-    lay_s = layer.groupby(["run_dir", "sample", "rank"]).value.sum()
-    return (own_s / lay_s).groupby(["run_dir", "sample"]).max().groupby("run_dir").median()
+    own_s = own.groupby(["run_id", "sample", "rank"]).value.sum()
+    lay_s = layer.groupby(["run_id", "sample", "rank"]).value.sum()
+    return (own_s / lay_s).groupby(["run_id", "sample"]).max().groupby("run_id").median()
 
 
 def _floor(df: pd.DataFrame, passes: tuple) -> pd.Series:
@@ -106,8 +99,8 @@ def _floor(df: pd.DataFrame, passes: tuple) -> pd.Series:
     parts = t[((t.metric == "time") & t.phase.isin(["route", "experts"])) | (t.metric == "a2a_time")]
     if parts.empty:
         return pd.Series(dtype=float)
-    per_rank = parts.groupby(["run_dir", "sample", "rank"]).value.sum()
-    return per_rank.groupby(["run_dir", "sample"]).max().groupby("run_dir").median()
+    per_rank = parts.groupby(["run_id", "sample", "rank"]).value.sum()
+    return per_rank.groupby(["run_id", "sample"]).max().groupby("run_id").median()
 
 
 def _a2a_efficiency(df: pd.DataFrame) -> pd.Series:
@@ -117,45 +110,56 @@ def _a2a_efficiency(df: pd.DataFrame) -> pd.Series:
     collectives take 25 % longer."""
     def per_collective(metric: str) -> pd.Series:
         sel = df[(df.metric == metric) & (df["sample"] >= 0)]
-        slow = sel.groupby(["run_dir", "layer", "phase", "pass", "sample", "rank"]).value.sum()
-        return slow.groupby(["run_dir", "layer", "phase", "pass", "sample"]).max() \
-            .groupby(["run_dir", "layer", "phase", "pass"]).median()
+        slow = sel.groupby(["run_id", "layer", "phase", "pass", "sample", "rank"]).value.sum()
+        return slow.groupby(["run_id", "layer", "phase", "pass", "sample"]).max() \
+            .groupby(["run_id", "layer", "phase", "pass"]).median()
     raw, harness = per_collective("raw_a2a_time"), per_collective("a2a_time_paired")
     if raw.empty:
         return pd.Series(dtype=float)
     both = pd.concat([raw.rename("raw"), harness.rename("harness")], axis=1).dropna()
-    sums = both.groupby("run_dir").sum()
+    sums = both.groupby("run_id").sum()
     return sums.raw / sums.harness
 
 
+def _workload(run: pd.DataFrame) -> str:
+    """The whole-model workload a bench_model run timed (the phase of its latency rows)."""
+    timed = run.metric.isin([m for m, _ in TASK_LATENCY.values()])
+    return str(run.phase[timed].iloc[0]) if timed.any() else ""
+
+
 def model_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Whole-model runs: one row per (model, workload, system) with its latency and ratio
-    to the first system compared in that run."""
+    """Whole-model runs: one row per run (``run_id``: one per system config of a world)
+    with its latency and its ratios to the first system compared in its world (matched
+    by the run keys and the workload)."""
     out = []
-    for run_dir, run in df.groupby("run_dir", sort=False):
-        workload = run.phase[run.metric.isin([m for m, _ in TASK_LATENCY.values()])].iloc[0] \
-            if run.metric.isin([m for m, _ in TASK_LATENCY.values()]).any() else ""
+    for run_id, rows in df.groupby("run_id", sort=False):
+        workload = _workload(rows)
         if workload not in TASK_LATENCY:
             continue
         metric, phase = TASK_LATENCY[workload]
-        for system, rows in run.groupby("system", sort=False):
-            lat = rows[(rows.metric == metric) & (rows.phase == phase) & (rows["rank"] == -1)].value
-            remote = rows[(rows.metric == "bytes") & (rows.src_rank != rows.dst_rank) & (rows["pass"] == "forward")]
-            out.append({"model": run.model.iloc[0], "workload": workload, "system": system,
-                        "impl": rows.impl.iloc[0], "latency_metric": metric, "latency_ms": lat.median(),
-                        "remote_MB_fwd": remote.value.sum() / 1e6, "iteration_ms": _iteration_ms(rows, workload),
-                        "raw_a2a_ms": _raw_a2a_per_iteration(rows), "run_dir": run_dir})
+        lat = rows[(rows.metric == metric) & (rows.phase == phase) & (rows["rank"] == -1)].value
+        remote = rows[(rows.metric == "bytes") & (rows.src_rank != rows.dst_rank) & (rows["pass"] == "forward")]
+        out.append({**{k: rows[k].iloc[0] for k in RUN_KEYS}, "workload": workload, "system": rows.system.iloc[0],
+                    "impl": rows.impl.iloc[0], "label": rows.label.iloc[0],
+                    "system_options": rows.system_options.iloc[0], "latency_metric": metric,
+                    "latency_ms": lat.median(), "remote_MB_fwd": remote.value.sum() / 1e6,
+                    "iteration_ms": _iteration_ms(rows, workload), "raw_a2a_ms": _raw_a2a_per_iteration(rows),
+                    "run_id": run_id})
     table = pd.DataFrame(out)
     if table.empty:
         return table
-    first = table.groupby("run_dir").system.transform("first")
-    base = table[table.system == first].set_index("run_dir")
-    table["latency_ratio"] = table.latency_ms / table.run_dir.map(base.latency_ms)
-    table["remote_bytes_ratio"] = table.remote_MB_fwd / table.run_dir.map(base.remote_MB_fwd)
-    table["raw_a2a_ratio"] = table.raw_a2a_ms / table.run_dir.map(base.raw_a2a_ms)
-    base_iter, base_raw = table.run_dir.map(base.iteration_ms), table.run_dir.map(base.raw_a2a_ms)
+    keys = RUN_KEYS + ["workload"]
+    baseline = table.groupby(keys, sort=False).system.transform("first")      # the world's first system
+    base = lambda col: baseline_value(table, col, baseline, keys)
+    table["latency_ratio"] = table.latency_ms / base("latency_ms")
+    table["remote_bytes_ratio"] = table.remote_MB_fwd / base("remote_MB_fwd")
+    table["raw_a2a_ratio"] = table.raw_a2a_ms / base("raw_a2a_ms")
+    base_iter, base_raw = base("iteration_ms"), base("raw_a2a_ms")
     table["a2a_only_ratio"] = (base_iter - base_raw + table.raw_a2a_ms) / base_iter
-    return table.drop(columns="run_dir")
+    shown = ["model", "workload", "system", "impl", "label", "system_options", "latency_metric", "latency_ms",
+             "remote_MB_fwd", "iteration_ms", "raw_a2a_ms", "latency_ratio", "remote_bytes_ratio", "raw_a2a_ratio",
+             "a2a_only_ratio", "run_id"]
+    return table[shown]
 
 
 def _iteration_ms(rows: pd.DataFrame, workload: str) -> float:
@@ -183,53 +187,65 @@ def _raw_a2a_per_iteration(rows: pd.DataFrame) -> float:
     return float(raw.groupby(["sample", "rank"]).value.sum().groupby("sample").max().median())
 
 
-def targets_table(layers: pd.DataFrame, models: pd.DataFrame, system: str = "occult") -> pd.DataFrame:
-    """Each target with the value this benchmark measured for ``system`` (NaN: not run)."""
+def _layer_target(layers: pd.DataFrame, system: str, target: dict) -> dict:
+    """One layer target's row: the value of its column for ``system`` at its shape, and
+    the floor where the column is a layer time ratio."""
+    col = target["column"]
+    sel = layers[(layers.model == target["shape"]) & (layers.system == system)] if not layers.empty else layers
+    value = float(sel[col].iloc[0]) if not sel.empty and col in sel else float("nan")
+    floor_col = col.replace("_ms_ratio", "_floor_ratio")
+    floor = float(sel[floor_col].iloc[0]) if floor_col.startswith("layer_") and not sel.empty \
+        and floor_col in sel else float("nan")
+    return {"target": target["what"], "bound": f"<= {target['bound']}", "measured": value,
+            "met": value <= target["bound"], "measured_floor": floor, "floor_is": FLOOR_IS["layer"] if floor == floor else ""}
+
+
+def _model_rows(models: pd.DataFrame, system: str, model_targets, whole_models_bound) -> list:
+    """The whole-model targets: the median over proxy x task, and each (model, workload) target."""
+    occ = models[models.system == system] if not models.empty else models
+    if occ.empty:
+        return []
     rows = []
-    for what, shape, col, bound in TARGETS:
-        sel = layers[(layers.model == shape) & (layers.system == system)] if not layers.empty else layers
-        value = float(sel[col].iloc[0]) if not sel.empty and col in sel else float("nan")
-        floor_col = col.replace("_ms_ratio", "_floor_ratio")
-        floor = float(sel[floor_col].iloc[0]) if floor_col.startswith("layer_") and not sel.empty \
-            and floor_col in sel else float("nan")
-        rows.append({"target": what, "bound": f"<= {bound}", "measured": value, "met": value <= bound,
-                     "measured_floor": floor, "floor_is": FLOOR_IS["layer"] if floor == floor else ""})
-    if not models.empty:
-        occ = models[models.system == system]
-        if not occ.empty:
-            rows.append({"target": "whole models, median over proxy x task", "bound": "<= 1.0",
-                         "measured": float(occ.latency_ratio.median()), "met": occ.latency_ratio.median() <= 1.0})
-            rows[-1].update(measured_floor=float(occ.a2a_only_ratio.median()), floor_is=FLOOR_IS["models"])
-            for workload in ("prefill", "train"):
-                sel = occ[(occ.model == "olmoe_proxy") & (occ.workload == workload)]
-                value = float(sel.latency_ratio.iloc[0]) if not sel.empty else float("nan")
-                rows.append({"target": f"OLMoE proxy {workload}", "bound": "<= 0.85", "measured": value,
-                             "met": value <= 0.85, "floor_is": FLOOR_IS["models"],
-                             "measured_floor": float(sel.a2a_only_ratio.iloc[0]) if not sel.empty else float("nan")})
-    if not layers.empty and "activation_MB_max_rank_ratio" in layers:
+    if whole_models_bound is not None:
+        median = float(occ.latency_ratio.median())
+        rows.append({"target": "whole models, median over proxy x task", "bound": f"<= {whole_models_bound}",
+                     "measured": median, "met": median <= whole_models_bound,
+                     "measured_floor": float(occ.a2a_only_ratio.median()), "floor_is": FLOOR_IS["models"]})
+    for t in model_targets:
+        sel = occ[(occ.model == t["model"]) & (occ.workload == t["workload"])]
+        value = float(sel.latency_ratio.iloc[0]) if not sel.empty else float("nan")
+        rows.append({"target": t["what"], "bound": f"<= {t['bound']}", "measured": value,
+                     "met": value <= t["bound"], "floor_is": FLOOR_IS["models"],
+                     "measured_floor": float(sel.a2a_only_ratio.iloc[0]) if not sel.empty else float("nan")})
+    return rows
+
+
+def targets_table(layers: pd.DataFrame, models: pd.DataFrame, system: str = "occult", layer_targets=(),
+                  model_targets=(), whole_models_bound=None, activation_bound=None,
+                  a2a_efficiency_bound=None) -> pd.DataFrame:
+    """Each target (the experiment's ``report_options.bench``) with the value this benchmark
+    measured for ``system`` (NaN: not run); a bound that is None is not checked."""
+    rows = [_layer_target(layers, system, t) for t in layer_targets]
+    rows += _model_rows(models, system, model_targets, whole_models_bound)
+    if not layers.empty and "activation_MB_max_rank_ratio" in layers and activation_bound is not None:
         act = layers[layers.system == system].activation_MB_max_rank_ratio
         if not act.empty:
-            rows.append({"target": "activation memory, max over shapes", "bound": "<= 1.02",
-                         "measured": float(act.max()), "met": act.max() <= 1.02})
-        eff = layers.a2a_efficiency.dropna() if "a2a_efficiency" in layers else pd.Series(dtype=float)
-        if not eff.empty:
-            rows.append({"target": "all-to-all bandwidth vs plain all_to_all_single, min over systems and shapes",
-                         "bound": ">= 0.8", "measured": float(eff.min()), "met": eff.min() >= 0.8})
+            rows.append({"target": "activation memory, max over shapes", "bound": f"<= {activation_bound}",
+                         "measured": float(act.max()), "met": act.max() <= activation_bound})
+    eff = layers.a2a_efficiency.dropna() if "a2a_efficiency" in layers else pd.Series(dtype=float)
+    if not eff.empty and a2a_efficiency_bound is not None:
+        rows.append({"target": "all-to-all bandwidth vs plain all_to_all_single, min over systems and shapes",
+                     "bound": f">= {a2a_efficiency_bound}", "measured": float(eff.min()),
+                     "met": eff.min() >= a2a_efficiency_bound})
     table = pd.DataFrame(rows)
     if "floor_is" in table:
         table["floor_is"] = table.floor_is.fillna("")
     return table
 
 
-def _per_system(df: pd.DataFrame) -> pd.DataFrame:
-    """One ``run_dir`` per (run, system): a bench run holds several systems."""
-    return df.assign(run_dir=df.run_dir + "#" + df.system)
-
-
-def bench_report(df: pd.DataFrame, out_dir) -> list:
-    """Report builder: the benchmark tables (see the module docstring)."""
-    from .figures import Section
-
+def build(df: pd.DataFrame, out_dir, **targets) -> list:
+    """Report builder: the benchmark tables (see the module docstring); ``targets``: the
+    options of :func:`targets_table` (the experiment's ``report_options.bench``)."""
     title = "Benchmark: systems in the same world, alternating iterations"
     out_dir = Path(out_dir)
     layer_runs, model_runs = df[df.task == "bench"], df[df.task == "bench_model"]
@@ -237,14 +253,13 @@ def bench_report(df: pd.DataFrame, out_dir) -> list:
         return [Section(title, ["Not drawn: no task=bench or task=bench_model runs."])]
     layers = pd.DataFrame()
     if not layer_runs.empty:
-        per = _per_system(layer_runs)
-        layers = pd.concat([ratio_table(runs, runs.system.iloc[0]) for _, runs in per.groupby("model", sort=False)],
+        layers = pd.concat([ratio_table(runs, runs.system.iloc[0]) for _, runs in layer_runs.groupby("model", sort=False)],
                            ignore_index=True)
         layers.to_csv(out_dir / "bench.csv", index=False)
     models = model_table(model_runs) if not model_runs.empty else pd.DataFrame()
     if not models.empty:
         models.to_csv(out_dir / "bench_models.csv", index=False)
-    targets = targets_table(layers, models)
+    targets = targets_table(layers, models, **targets)
     shown = ["model", "system", "hidden_size", "expert_ffn_size", "tokens_per_rank", "ct_all",
              "dispatch_rows_per_token"] + [c for c in layers.columns if c.endswith("_ms_ratio") or c.endswith("MB_ratio")
                                            or c == "activation_MB_max_rank_ratio"] + \

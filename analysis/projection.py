@@ -1,29 +1,15 @@
-"""A cost model that projects measured runs onto clusters that are not here.
+"""The cost model's projections: measured runs onto clusters that are not here.
 
 Inputs are what a run measured and what its config says, never a guess about
 routing: the bytes each rank sent to each peer in every collective (the
 ``bytes`` rows with ``src_rank`` / ``dst_rank``, counted from the split sizes
 that went into the collective) and the expert FLOPs of the run's tokens
-(tokens, K, D, F). A projection profile (``conf/profile/sim_*.yaml``) gives link
-bandwidths and latencies and per-device matmul throughput.
+(tokens, K, D, F). A projection profile (``conf/profile/sim_*.yaml``, read by
+:mod:`occult.ep.links`) gives link bandwidths and latencies and per-device matmul
+throughput; :mod:`analysis.pricing` prices each collective and experts step on it.
 
-Model (one collective, P ranks):
-
-    time = latency + max over ranks r of max(t_intra(r), t_inter(r))
-    t_intra(r) = max(sent_intra(r), received_intra(r)) / (intra bandwidth x efficiency)
-    t_inter(r) = max(sent_inter(r), received_inter(r)) / (per-device NIC share x efficiency)
-
-where bytes a rank keeps for itself are free, ``latency`` is the inter-node
-latency when any byte crosses nodes (else the intra-node one), and a device's
-NIC share is ``inter_node_GBps * nics_per_node / devices_per_node``. When a
-run made several calls of one collective per timed iteration (decode steps),
-the latency is paid per call and the bytes of all calls are summed (the max
-over ranks of a sum: a lower bound on the sum of the per-call maxima).
-
-Experts (SwiGLU, three D x F matmuls): ``6 D F`` FLOPs per (token, expert)
-row forward, twice that backward; rows per rank = tokens per rank x K
-(balanced load, an assumption) plus the padding rows a capacity-based system
-reported. Time = max over ranks of FLOPs / (device peak x efficiency).
+Rows per rank for the experts = tokens per rank x K (balanced load, an assumption) plus
+the padding rows a capacity-based system reported, minus dropped and merged pairs.
 
 Projecting to another model (e.g. a CPU proxy's routing onto OLMoE's real
 width): the rows stay, each hidden-state row is re-sized to the target's D
@@ -31,186 +17,26 @@ and the profile's element type, metadata rows keep their bytes, expert FLOPs
 use the target's D and F, and the per-layer mean is repeated for the
 target's number of MoE layers.
 
-Every value this module returns carries ``source = "projected"``.
-
-A profile for this machine (``sim_cpu_loopback``) is measured by
-``experiment=calibrate`` (:mod:`analysis.calibrate`): there the P ranks share the host's cores, so its
-latency, bandwidth and throughput are per world size. :func:`check_against_measured`
-compares its projections with the all-to-all and expert times that
-``task=layer`` runs measured, preferably with the calibration a run made of its
-own world just before timing (``task.calibrate=true``): the machine's load
-drifts over a sweep, and a profile fitted minutes earlier then misses it.
+Every value this module returns carries ``source = "projected"``; a run is keyed by
+its ``run_id`` (``run_dir`` rides along as provenance). The model's check against this
+machine is the report builder :mod:`analysis.figures.costmodel_check`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import pandas as pd
-import yaml
 
-from occult.ep.links import Link, calibration_links, link_from_fields
+from occult.config import read_conf
+from occult.ep.links import ELEMENT_BYTES, Link, Profile, pipeline_seconds
 
-from .summary import slowest_rank_ms
+from .pricing import collective_seconds, expert_seconds
+from .summary import RUN_KEYS, SYSTEM_KEYS
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
-ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 PROJECTED = "projected"
 MEASURED = "measured"
-
-
-@dataclass(frozen=True)
-class Profile:
-    """A projection profile (a ``conf/profile`` YAML, schema :class:`occult.config.ProfileConf`)."""
-
-    name: str
-    world_size: int                     # 0: any world size in ``calibration``
-    dtype: str
-    link: Optional[Link] = None         # fixed links (GPU profiles)
-    calibration: dict = field(default_factory=dict)   # {P: Link} (this machine)
-    source: str = ""
-
-    def at(self, world_size: int) -> Link:
-        """The links and compute for a run of ``world_size`` ranks (raises if the profile has none)."""
-        if self.calibration:
-            if world_size not in self.calibration:
-                raise ValueError(f"profile={self.name}: calibrated for world sizes {sorted(self.calibration)}, "
-                                 f"not {world_size} (rerun python run.py experiment=calibrate "
-                                 f"hydra.sweeper.params.cluster=cpu{world_size},...)")
-            return self.calibration[world_size]
-        if world_size != self.world_size:
-            raise ValueError(f"profile={self.name} has world_size={self.world_size}; a run measured at "
-                             f"world_size={world_size} has another per-peer byte pattern. Project runs "
-                             f"measured with cluster.world_size={self.world_size}")
-        return self.link
-
-    @property
-    def element_bytes(self) -> int:
-        if self.dtype not in ELEMENT_BYTES:
-            raise ValueError(f"profile={self.name}: dtype={self.dtype!r}; allowed values {sorted(ELEMENT_BYTES)}")
-        return ELEMENT_BYTES[self.dtype]
-
-
-def profile_from_dict(c: dict) -> Profile:
-    """A :class:`Profile` from a profile config's fields, checked against
-    :class:`occult.config.ProfileConf` (errors name the field)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from occult.config import ProfileConf
-
-    name = c.get("name", "?")
-    try:
-        c = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(ProfileConf), c))
-    except OmegaConfBaseException as exc:
-        raise ValueError(f"profile={name}: {str(exc).splitlines()[0]} (fields: see occult.config.ProfileConf)") from exc
-    calibration = calibration_links(c.get("calibration"))
-    if not calibration and not c.get("intra_node_GBps"):
-        raise ValueError(f"profile={name}: needs intra_node_GBps (GB/s) or a calibration list")
-    return Profile(name=name, world_size=int(c.get("world_size", 0) or 0), dtype=c.get("dtype") or "float32",
-                   link=None if calibration else link_from_fields(c), calibration=calibration,
-                   source=c.get("source", ""))
-
-
-def load_profile(name_or_path) -> Profile:
-    """``sim_a6000x4`` (from conf/profile) or a path to a profile YAML."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = CONF / "profile" / f"{name_or_path}.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"profile={name_or_path}: no profile {path}; profiles: {available_profiles()}")
-    return profile_from_dict(yaml.safe_load(path.read_text()))
-
-
-def available_profiles() -> list[str]:
-    return sorted(p.stem for p in (CONF / "profile").glob("*.yaml"))
-
-
-# ---------------------------------------------------------------------------
-# the model
-# ---------------------------------------------------------------------------
-
-
-def node_of(world_size: int, devices_per_node: int) -> np.ndarray:
-    """Node index of each rank: [P]."""
-    per = devices_per_node or world_size
-    return np.arange(world_size) // per
-
-
-def a2a_seconds(bytes_PP: np.ndarray, link: Link, calls: int = 1) -> float:
-    """Projected time of ``calls`` all-to-alls whose summed bytes are ``bytes_PP[src, dst]``."""
-    bytes_PP = np.asarray(bytes_PP, dtype=float)
-    P = bytes_PP.shape[0]
-    if P <= 1:
-        return 0.0
-    node = node_of(P, link.devices_per_node)
-    remote = ~np.eye(P, dtype=bool)
-    same = (node[:, None] == node[None, :]) & remote
-    cross = node[:, None] != node[None, :]
-    intra = np.maximum((bytes_PP * same).sum(1), (bytes_PP * same).sum(0))
-    inter = np.maximum((bytes_PP * cross).sum(1), (bytes_PP * cross).sum(0))
-    t_rank = np.maximum(intra / link.intra_Bps, inter / link.inter_Bps if inter.any() else 0.0)
-    latency = link.inter_latency_s if cross.any() and link.inter_latency_s else link.intra_latency_s
-    return calls * latency + float(t_rank.max())
-
-
-def rooted_seconds(bytes_PP: np.ndarray, link: Link, calls: int = 1, kind: str = "broadcast") -> float:
-    """Projected time of ``calls`` broadcasts (or reduces, ``kind="reduce"``) whose summed
-    logical bytes are ``bytes_PP[src, dst]``: each root's payload crosses the slowest link
-    it needs once (a pipelined tree or ring moves a broadcast's bytes once per link, not
-    once per peer), one root after another, plus the latency of every call."""
-    bytes_PP = np.asarray(bytes_PP, dtype=float)
-    P = bytes_PP.shape[0]
-    if P <= 1:
-        return 0.0
-    remote = bytes_PP * ~np.eye(P, dtype=bool)
-    payload = remote.max(1) if kind == "broadcast" else remote.max(0)     # per root
-    multi_node = link.devices_per_node and link.devices_per_node < P
-    bandwidth = link.slowest_Bps if multi_node else link.intra_Bps
-    latency = link.inter_latency_s if multi_node and link.inter_latency_s else link.intra_latency_s
-    return calls * latency + float(payload.sum()) / bandwidth
-
-
-ROOTED = ("broadcast", "reduce")
-
-
-def collective_seconds(bytes_PP: np.ndarray, link: Link, calls: int, kind: str) -> float:
-    """A collective of any kind: rooted ones (broadcast, reduce) by :func:`rooted_seconds`,
-    the others (all-to-all, all-gather, reduce-scatter: every rank sends its blocks to its
-    peers) by :func:`a2a_seconds` on their per-peer bytes."""
-    if kind in ROOTED:
-        return rooted_seconds(bytes_PP, link, calls, kind)
-    return a2a_seconds(bytes_PP, link, calls)
-
-
-def swiglu_flops(rows: float, hidden: int, ffn: int, backward: bool = False) -> float:
-    """FLOPs of SwiGLU experts on ``rows`` (token, expert) rows: 6 D F each forward, x2 backward."""
-    return (12.0 if backward else 6.0) * rows * hidden * ffn
-
-
-def expert_seconds(rows_P, hidden: int, ffn: int, link: Link, backward: bool = False,
-                   local_experts: int = 0, element_bytes: int = 2, calls: int = 1) -> float:
-    """Projected expert time: the busiest rank's FLOPs over the device's achieved throughput
-    or, when the profile gives a memory bandwidth, the bytes its experts read and write
-    over it if that takes longer (a roofline: few rows per expert are memory-bound); plus
-    the profile's per-expert overhead for each of the ``local_experts`` (x2 backward).
-    ``calls``: layer calls the rows came in (decode steps); each call reads the weights of
-    at most min(local experts, rows per call) experts (an upper bound: every expert that
-    could have been hit is read)."""
-    rows_P = np.asarray(rows_P, dtype=float)
-    rows = float(rows_P.max()) if rows_P.size else 0.0
-    passes = 2 if backward else 1
-    compute_s = swiglu_flops(rows, hidden, ffn, backward) / link.flops
-    active = min(float(local_experts), rows / max(calls, 1))
-    moved = passes * (calls * active * 3 * hidden * ffn + rows * (2 * hidden + 3 * ffn)) * element_bytes
-    return max(compute_s, moved / link.memory_Bps) + passes * local_experts * link.expert_call_s
-
-
-# ---------------------------------------------------------------------------
-# projecting runs
-# ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -225,13 +51,9 @@ class Target:
 
 def target_model(name: str) -> Target:
     """A model config from conf/model as a projection target."""
-    path = CONF / "model" / f"{name}.yaml"
-    if not path.is_file():
-        names = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
-        raise FileNotFoundError(f"model={name}: no config {path}; models: {names}")
-    m = yaml.safe_load(path.read_text())
-    layers = int(m.get("num_layers", 1)) - int(m.get("first_k_dense", 0))
-    return Target(name, int(m["hidden_size"]), int(m["expert_ffn_size"]), max(layers, 1))
+    m = read_conf("model", name)
+    layers = int(m.num_layers) - int(m.first_k_dense)
+    return Target(name, int(m.hidden_size), int(m.expert_ffn_size), max(layers, 1))
 
 
 def real_model_of(run_model: str) -> str:
@@ -343,8 +165,6 @@ def _overlap_rows(layer: int, degree: int, calls: int, a2a: list, expert_ms: dic
     chunks: per pass, the time its pipelines hide (a negative ``overlap`` component: the
     pipelined time of the chunked collectives and the experts minus their serial sum;
     see :func:`occult.ep.links.pipeline_seconds`). ``chunk_expert_ms``: one chunk's experts."""
-    from occult.ep.links import pipeline_seconds
-
     steps = max(calls // degree, 1)
     out = []
     for direction, experts in expert_ms.items():
@@ -470,13 +290,12 @@ def project_runs(df: pd.DataFrame, profile: Profile, target=None, single_device:
     ``target``: None (each run's own model), a :class:`Target`, or ``"real"`` (the
     paper model each proxy stands for). ``single_device``: also project whole-model runs
     that exchange nothing (:func:`project_single_device`); otherwise they are left out.
-    Adds the run's context columns.
+    Adds the run's context columns (``run_id`` and, as provenance, ``run_dir``).
     """
-    from .summary import RUN_KEYS, SYSTEM_KEYS
     frames = []
-    for run_dir, run in df.groupby("run_dir"):
+    for run_id, run in df.groupby("run_id", sort=False):
         P = int(run.world_size.iloc[0])
-        covered = P in profile.calibration if profile.calibration else P == profile.world_size
+        covered = profile.covers(P)
         exchanges = (run.metric == "bytes").any()
         if not covered or not (exchanges or single_device) or not same_nodes(run, profile.at(P)):
             continue
@@ -484,7 +303,8 @@ def project_runs(df: pd.DataFrame, profile: Profile, target=None, single_device:
         proj = project_run(run, profile, tgt) if exchanges else project_single_device(run, profile, tgt)
         for key in RUN_KEYS + SYSTEM_KEYS:
             proj[key] = run[key].iloc[0]
-        proj["run_dir"] = run_dir
+        proj["run_id"] = run_id
+        proj["run_dir"] = run.run_dir.iloc[0] if "run_dir" in run else ""
         frames.append(proj)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
@@ -503,59 +323,3 @@ def projected_totals(proj: pd.DataFrame) -> pd.DataFrame:
     moe = proj[proj.component == "moe"].set_index(keys).ms.rename("moe_ms")
     return pd.concat([a2a, exp, moe], axis=1).reset_index()
 
-
-# ---------------------------------------------------------------------------
-# checking the model against this machine
-# ---------------------------------------------------------------------------
-
-
-def own_profile(run: pd.DataFrame) -> Optional[Profile]:
-    """The loopback profile fitted to the calibration a run made of its own world right
-    before its timed iterations (``task.calibrate=true``), or None."""
-    if not run.metric.str.startswith("calib_").any():
-        return None
-    from .calibrate import fit_points, profile_dict
-    points = fit_points(run)
-    return profile_from_dict(profile_dict(points, "this run's own calibration")) if points else None
-
-
-def check_against_measured(df: pd.DataFrame, profile: Optional[Profile]) -> pd.DataFrame:
-    """Projected vs measured all-to-all (per phase and pass) and expert times of the
-    ``task=layer`` runs that timed collectives apart (``task.sync_collectives=true``:
-    they have ``a2a_wait`` rows, so ``a2a_time`` is the transfer, not the wait).
-
-    A run that calibrated its own world first (``task.calibrate=true``) is projected
-    with that calibration (same load as its measurements; column ``calibration`` =
-    ``own run``), any other with ``profile`` (``sweep``; runs are skipped when it is None).
-    One row per (run, quantity): ``measured_ms`` (slowest rank, median over samples),
-    ``projected_ms``, ``error`` = projected / measured - 1. Quantity ``a2a_total`` is the
-    sum over the iteration's collectives.
-    """
-    rows = []
-    for run_dir, run in df[df.task == "layer"].groupby("run_dir"):
-        P = int(run.world_size.iloc[0])
-        if P < 2 or not (run.metric == "a2a_wait").any():
-            continue
-        run_profile, calibration = own_profile(run), "own run"
-        if run_profile is None:
-            run_profile, calibration = profile, "sweep"
-        if run_profile is None or (run_profile.calibration and P not in run_profile.calibration):
-            continue
-        proj = project_run(run, run_profile)
-        ctx = {"run_dir": run_dir, "system": run.system.iloc[0], "world_size": P,
-               "top_k": int(run.top_k.iloc[0]), "routing": run.routing.iloc[0], "calibration": calibration}
-        meas_total, proj_total = 0.0, 0.0
-        for _, p in proj[proj.component.str.startswith("a2a:")].iterrows():
-            phase = p.component.split(":", 1)[1]
-            m = slowest_rank_ms(run, "a2a_time", phase, p["pass"]).get(run_dir, np.nan)
-            meas_total += m
-            proj_total += p.ms
-            rows.append({**ctx, "quantity": f"a2a {phase} {p['pass']}", "measured_ms": m, "projected_ms": p.ms})
-        rows.append({**ctx, "quantity": "a2a_total", "measured_ms": meas_total, "projected_ms": proj_total})
-        exp = proj[(proj.component == "experts") & (proj["pass"] == "forward")].ms.sum()
-        m = slowest_rank_ms(run, "time", "experts", "forward").get(run_dir, np.nan)
-        rows.append({**ctx, "quantity": "experts forward", "measured_ms": m, "projected_ms": exp})
-    out = pd.DataFrame(rows)
-    if not out.empty:
-        out["error"] = out.projected_ms / out.measured_ms - 1.0
-    return out

@@ -1,5 +1,5 @@
-"""Tutel's ``a2a_ffn_overlap_degree`` on one MoE layer (``python run.py experiment=tutel_overlap``),
-a report builder that reads result tables only.
+"""Tutel's ``a2a_ffn_overlap_degree`` on one MoE layer (``python run.py experiment=tutel_overlap``;
+``report: tutel_overlap``), from result tables only.
 
 The sweep runs ``task=layer`` for naive EP and for ``system=tutel`` at each overlap degree,
 at a prefill-like and a decode-like token count. :func:`tutel_overlap` writes
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from .summary import run_table, with_ratios
+from ..sections import Section
+from ..summary import run_table, with_ratios
 
 COLUMNS = ["system", "impl", "tokens_per_rank", "degree", "padding_rows", "dispatch_remote_MB",
            "a2a_dispatch_fwd_ms", "a2a_combine_fwd_ms", "layer_fwd_ms", "layer_fwd_bwd_ms",
@@ -26,10 +27,10 @@ def overlap_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per layer run (naive and Tutel at each degree), with the ratios above."""
     runs = df[df.task == "layer"]
     table = with_ratios(run_table(runs))
-    options = runs.groupby("run_dir").system_options.first().map(json.loads)
-    table["degree"] = table.run_dir.map(options.map(lambda o: o.get("a2a_ffn_overlap_degree")))
-    padding = runs[runs.metric == "padding_rows"].groupby("run_dir").value.sum()
-    table["padding_rows"] = table.run_dir.map(padding)
+    options = runs.groupby("run_id").system_options.first().map(json.loads)
+    table["degree"] = table.run_id.map(options.map(lambda o: o.get("a2a_ffn_overlap_degree")))
+    padding = runs[runs.metric == "padding_rows"].groupby("run_id").value.sum()
+    table["padding_rows"] = table.run_id.map(padding)
     tutel = table[table.system == "tutel"]
     for col in ("padding_rows", "layer_fwd_bwd_ms"):
         base = tutel[tutel.degree == 1].groupby("tokens_per_rank")[col].median()
@@ -39,10 +40,8 @@ def overlap_table(df: pd.DataFrame) -> pd.DataFrame:
     return table[[c for c in COLUMNS if c in table]]
 
 
-def tutel_overlap(df: pd.DataFrame, out_dir) -> list:
-    """Report builder (``report: analysis.tutel_overlap.tutel_overlap``)."""
-    from .figures import Section
-
+def build(df: pd.DataFrame, out_dir) -> list:
+    """Report builder: the table above (``tutel_overlap.csv`` / ``.md``)."""
     title = "Tutel's overlap degree on one layer"
     table = overlap_table(df)
     if table.empty or not (table.system == "tutel").any():

@@ -1,4 +1,4 @@
-"""The bytes-accuracy front of the lossy strategies (``python run.py experiment=lossy_front``).
+"""The bytes-accuracy front of the lossy strategies (``report: lossy_front``; ``python run.py experiment=lossy_front``).
 
 Reads the sweep's ``task=finetune`` runs (one per arm and fine-tuning setting, the arm
 its ``label``) and writes:
@@ -8,7 +8,7 @@ its ``label``) and writes:
   domains, remote bytes per token while evaluating (as they crossed: compressed rows at
   their wire size), C_T, the share of (token, expert) pairs that needed a row of their
   own (lsh, adaptive top-k), the measured prefill time and its ratio to naive EP's,
-  and the projected MoE time of the real OLMoE on 4 x A6000 (:mod:`analysis.costmodel`,
+  and the projected MoE time of the real OLMoE on 4 x A6000 (:mod:`analysis.projection`,
   from the run's own bytes) with its ratio to naive EP's;
 * ``lossy_front.png/pdf``: remote bytes per token against held-out loss (both domains),
   one point per run, the Pareto front (no other run has fewer bytes and a lower loss)
@@ -20,10 +20,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .studies import accuracy_frame
+from occult.ep.links import load_profile
+
+from ..plots import save, style
+from ..projection import project_runs, projected_totals
+from ..sections import Section
+from .fig7_pruning import accuracy_frame
 
 PROFILE = "sim_a6000x4"
 FAMILIES = {"naive": "exact", "no_finetune": "exact", "standard": "exact", "score": "pruning (score)",
@@ -40,8 +46,8 @@ def _per_run(df: pd.DataFrame) -> pd.DataFrame:
     """Per run: bytes per token per domain, the timing probe's median ttft and the share
     of pairs with a row of their own."""
     out = []
-    for run_dir, run in df.groupby("run_dir"):
-        rec = {"run_dir": run_dir}
+    for run_id, run in df.groupby("run_id", sort=False):
+        rec = {"run_id": run_id}
         for corpus in run[run.metric == "eval_remote_bytes"].phase.unique():
             b = run[(run.metric == "eval_remote_bytes") & (run.phase == corpus)].value.sum()
             n = run[(run.metric == "eval_tokens") & (run.phase == corpus)].value.sum()
@@ -58,14 +64,12 @@ def _per_run(df: pd.DataFrame) -> pd.DataFrame:
 
 def _projected(df: pd.DataFrame) -> pd.DataFrame:
     """Per run: the projected MoE ms of the real model on :data:`PROFILE` (its run's bytes)."""
-    from .costmodel import load_profile, project_runs, projected_totals
-
     runs = df[df.metric.isin(["bytes", "rows", "a2a_time", "tokens"]) | df.metric.str.endswith("_pairs")
               | (df.metric == "padding_rows")]
     totals = projected_totals(project_runs(runs, load_profile(PROFILE), target="real"))
     if totals.empty:
-        return pd.DataFrame(columns=["run_dir", "projected_moe_ms"])
-    return totals[["run_dir", "moe_ms"]].rename(columns={"moe_ms": "projected_moe_ms"})
+        return pd.DataFrame(columns=["run_id", "projected_moe_ms"])
+    return totals[["run_id", "moe_ms"]].rename(columns={"moe_ms": "projected_moe_ms"})
 
 
 def front_frame(df: pd.DataFrame) -> pd.DataFrame:
@@ -75,7 +79,7 @@ def front_frame(df: pd.DataFrame) -> pd.DataFrame:
     acc = accuracy_frame(df)
     if acc.empty:
         return acc
-    table = acc.merge(_per_run(df), on="run_dir", how="left").merge(_projected(df), on="run_dir", how="left")
+    table = acc.merge(_per_run(df), on="run_id", how="left").merge(_projected(df), on="run_id", how="left")
     table.insert(1, "family", table.arm.map(family_of))
     table.insert(2, "finetuned", table.steps > 0)
     naive = table[table.arm == "naive"]
@@ -100,10 +104,6 @@ def pareto(x, y) -> np.ndarray:
 
 def plot_front(table: pd.DataFrame, domains: list, out_dir: Path) -> list:
     """Bytes per token against held-out loss, one panel per domain, the Pareto front drawn."""
-    import matplotlib.pyplot as plt
-
-    from .plots import save, style
-
     style()
     fig, axes = plt.subplots(1, len(domains), figsize=(6 * len(domains), 4.4), squeeze=False)
     families = list(dict.fromkeys(table.family))
@@ -126,10 +126,8 @@ def plot_front(table: pd.DataFrame, domains: list, out_dir: Path) -> list:
     return save(fig, Path(out_dir) / "lossy_front")
 
 
-def lossy_front(df: pd.DataFrame, out_dir) -> list:
-    """Report builder (``report: analysis.lossy.lossy_front``)."""
-    from .figures import Section
-
+def build(df: pd.DataFrame, out_dir) -> list:
+    """Report builder: the table, the figure and the Pareto front (module docstring)."""
     title = "Lossy strategies: bytes per token against held-out loss"
     table = front_frame(df)
     if table.empty:
@@ -137,7 +135,7 @@ def lossy_front(df: pd.DataFrame, out_dir) -> list:
     out_dir = Path(out_dir)
     domains = [c[:-len("_bytes_per_token")] for c in table.columns if c.endswith("_bytes_per_token")]
     tuned_domain = next((d for d in domains if d != "shakespeare"), domains[0] if domains else "")
-    shown = table.drop(columns=["run_dir"])
+    shown = table.drop(columns=["run_id"])
     shown.to_csv(out_dir / "lossy_front.csv", index=False)
     (out_dir / "lossy_front.md").write_text("# " + title + "\n\n" + shown.to_markdown(index=False, floatfmt=".4g")
                                             + "\n")
