@@ -662,3 +662,65 @@ def test_strategies_report_reads_whole_model_runs_beside_layer_runs(synthetic_sw
     assert set(prefill.index) == {"naive", "occult", "tutel"} and not table.duplicated(["model", "task", "system"]).any()
     assert prefill.loc["naive", "measured_vs_naive"] == pytest.approx(1.0)
     assert prefill.loc["occult", "measured_vs_naive"] < 1.0 < prefill.loc["tutel", "measured_vs_naive"]
+
+
+# ---------------------------------------------------------------------------
+# a run is its run_id: two configs of one system in one folder stay two runs
+# ---------------------------------------------------------------------------
+
+def _one_world(frames: list) -> pd.DataFrame:
+    """Several runs' rows as one world writes them: one frame, one folder, a run_id each."""
+    return pd.concat(frames, ignore_index=True)
+
+
+def _configs_of_occult(make, **kw) -> list:
+    """naive and two configs of occult (their payloads differ), each with its own run_id."""
+    out = []
+    for system, payload in (("naive", "fp32"), ("occult", "fp32"), ("occult", "int8")):
+        options = json.dumps({"payload": payload}, sort_keys=True)
+        run = make(system, **kw)
+        out.append(run.assign(run_id=f"w/{run.task.iloc[0]}/{system}/{payload}", system_options=options))
+    return out
+
+
+def test_two_configs_of_one_system_in_one_folder_stay_two_rows(tmp_path):
+    """Every summary and figure table keys on run_id: two configs of occult written into one
+    folder (one world), and in one sweep, are two rows everywhere, never merged by folder."""
+    from analysis.figures import bench, fig1_latency, fig12_scaling, table1_ct_runtime
+    from analysis.figures.strategies import strategies_table
+    from analysis.load import load_runs
+    from analysis.summary import layer_table, run_table, task_latency, with_ratios
+
+    sweep = tmp_path / "sweep"
+    write_results(_one_world(_configs_of_occult(lambda s: layer_run(s, 4, 8, 3.4, 1.0, 16))), sweep / "layer")
+    write_results(_one_world(_configs_of_occult(lambda s: prefill_run(s, 100.0, 16))), sweep / "prefill")
+    df = load_runs([sweep])
+    assert df.run_dir.nunique() == 2 and df.run_id.nunique() == 6
+
+    def two_occults(table, name):
+        occult = table[table.system == "occult"]
+        assert len(occult) == 2 * max(1, table.task.nunique() if "task" in table else 1), name
+        return occult
+
+    two_occults(run_table(df), "run_table")
+    two_occults(with_ratios(run_table(df)), "with_ratios")
+    assert len(layer_table(df).query("system == 'occult'")) == 2
+    assert len(task_latency(df).query("system == 'occult'")) == 2
+    for module, table in ((fig1_latency, "fig1_measured"), (fig1_latency, "fig1_projected"),
+                          (table1_ct_runtime, "table1_runs"), (fig12_scaling, "fig12_measured")):
+        (section,) = module.build(df, tmp_path)
+        shown = dict(section.tables)[table]
+        assert len(shown[shown.system == "occult"]) == 2, table
+    assert len(strategies_table(df).query("system == 'occult'")) == 2
+    proj = projection.projected_totals(projection.project_runs(df, links.load_profile("sim_a6000x4")))
+    assert proj.query("system == 'occult'").run_id.nunique() == 4           # layer and prefill, two each
+    # the benchmark: both configs compared in one world, each its own row and ratio to naive
+    world = _one_world(_configs_of_occult(lambda s: layer_run(s, 4, 8, 3.4, 1.0, 16))).assign(task="bench")
+    table = bench.ratio_table(world, "naive")
+    assert len(table[table.system == "occult"]) == 2 and table.layer_fwd_ms_ratio.notna().all()
+    bench_model_run(tmp_path / "model", "prefill", 100.0, 90.0, {"naive": 10.0, "occult": 4.0})
+    rows = pd.read_parquet(tmp_path / "model" / "results.parquet")
+    other = rows[rows.system == "occult"].assign(run_id="m/prefill/occult/int8", system_options='{"payload": "int8"}')
+    write_results(pd.concat([rows, other], ignore_index=True), tmp_path / "model")
+    models = bench.model_table(load_runs([tmp_path / "model"]))
+    assert len(models[models.system == "occult"]) == 2 and (models.latency_ratio.dropna() > 0).all()
