@@ -83,6 +83,11 @@ class TaskConf:
     # is the baseline), and the whole-model task bench_model times (prefill | decode | train)
     compare: List[str] = field(default_factory=list)
     workload: str = ""
+    # task=placement_study: the optimisers (occult.placement) run at every load cap (null: none,
+    # max / mean device load on the profiling set), and swap_search's time limit per (layer, cap)
+    optimisers: List[str] = field(default_factory=lambda: ["contiguous", "random", "greedy", "swap_search"])
+    load_caps: List[Optional[float]] = field(default_factory=lambda: [None, 1.25, 1.15, 1.1])
+    swap_time_limit_s: float = 10.0
 
 
 @dataclass

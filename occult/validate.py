@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from .config import CONF_DIR
+from .config import CONF_DIR, read_conf
 from .ep import import_object, system_config
 from .errors import ConfigError
 from .synthetic import ROUTINGS
@@ -23,11 +23,10 @@ def available(group: str) -> list[str]:
 
 
 def _expert_parallel_systems() -> list[str]:
-    import yaml
     out = []
     for name in available("system"):
         try:
-            if system_config(yaml.safe_load((CONF_DIR / "system" / f"{name}.yaml").read_text())).expert_parallel:
+            if read_conf("system", name).expert_parallel:
                 out.append(name)
         except ConfigError:
             continue
@@ -35,9 +34,7 @@ def _expert_parallel_systems() -> list[str]:
 
 
 def _models_with_family() -> list[str]:
-    import yaml
-    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")
-                  if (yaml.safe_load(p.read_text()) or {}).get("family"))
+    return [name for name in available("model") if read_conf("model", name).family]
 
 
 def _at_least(field: str, value, low) -> None:
@@ -81,6 +78,24 @@ def _check_task(t) -> None:
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"task.entry={t.entry!r} cannot be imported ({exc}); "
                           f"available tasks: {available('task')}") from exc
+    if t.name == "placement_study":
+        _check_placement_study(t)
+
+
+def _check_placement_study(t) -> None:
+    """The placement study's knobs: known optimisers, load caps null or >= 1, a positive time limit."""
+    from .placement import OPTIMISERS
+
+    unknown = [o for o in t.optimisers if o not in OPTIMISERS]
+    if not t.optimisers or unknown:
+        raise ConfigError(f"task.optimisers={list(t.optimisers)}: allowed values are {sorted(OPTIMISERS)} "
+                          "(at least one)")
+    bad = [c for c in t.load_caps if c is not None and c < 1.0]
+    if not t.load_caps or bad:
+        raise ConfigError(f"task.load_caps={list(t.load_caps)}: allowed values are null (no cap) or numbers "
+                          ">= 1.0 (max / mean device load), at least one")
+    if t.swap_time_limit_s <= 0:
+        raise ConfigError(f"task.swap_time_limit_s={t.swap_time_limit_s}: must be > 0 seconds")
 
 
 def _check_world(c) -> None:

@@ -1,5 +1,6 @@
 """The expert-placement study's pure parts: judging a placement on held-out routing, the
-jobs, the results table and the artifacts (the ranks' part is
+jobs, the results table and the artifacts. Which optimisers run at which load caps is the
+task's config (``task.optimisers``, ``task.load_caps``, conf/task/placement_study.yaml) (the ranks' part is
 :mod:`occult.tasks.placement_study`, the figure :mod:`analysis.figures.placement_study`).
 
 Shapes: T tokens, K top-k, E experts, P devices.
@@ -12,8 +13,6 @@ from typing import Optional
 import pandas as pd
 import torch
 
-OPTIMISERS = ("contiguous", "random", "greedy", "swap_search")
-LOAD_CAPS = (None, 1.25, 1.15, 1.1)
 # the table's figures per (optimiser, cap, layer), with their units
 UNITS = {"ct_all": "devices/token", "ct_remote": "devices/token", "intra_ratio": "ratio",
          "load_max_over_mean": "ratio", "busiest_rows_vs_contiguous": "ratio",
@@ -47,34 +46,39 @@ def judge(placement, profile_ids: torch.Tensor, held_ids: torch.Tensor, held_hom
             "load_max_over_mean_profiling": load_max_over_mean(profile_ids, placement)}
 
 
-def study_jobs(layers: list) -> list:
+def study_jobs(layers: list, optimisers, load_caps) -> list:
     """(optimiser, cap, layer) of every job; optimiser outermost, so that handing job i to
     rank i % P spreads each optimiser's (slow swap_search) jobs evenly."""
-    return [(name, cap, layer) for name in OPTIMISERS for cap in LOAD_CAPS for layer in layers]
+    return [(name, cap, layer) for name in optimisers for cap in load_caps for layer in layers]
 
 
-def placement_frame(results: list) -> pd.DataFrame:
+def _study_order(optimisers, load_caps):
+    """A sort key that puts (optimiser, cap label, layer) columns in the study's order."""
+    order = {name: i for i, name in enumerate(optimisers)}
+    caps = {cap_label(c): i for i, c in enumerate(load_caps)}
+    return lambda s: s.map(order) if s.name == "optimiser" else s.map(caps) if s.name == "load_cap" else s
+
+
+def placement_frame(results: list, optimisers, load_caps) -> pd.DataFrame:
     """The ``placement.csv`` table from the job results (busiest rows relative to the
-    contiguous placement of the same layer)."""
+    contiguous placement of the same layer), in the study's order."""
     df = pd.DataFrame([{k: v for k, v in r.items() if k != "groups"} for r in results])
     base = df[(df.optimiser == "contiguous") & (df.load_cap == "none")].set_index("layer")
     df["busiest_rows_vs_contiguous"] = df.busiest_rows / df.layer.map(base.busiest_rows)
     df["busiest_sfd_rows_vs_contiguous"] = df.busiest_sfd_rows / df.layer.map(base.busiest_sfd_rows)
-    order = {name: i for i, name in enumerate(OPTIMISERS)}
-    caps = {cap_label(c): i for i, c in enumerate(LOAD_CAPS)}
-    df = df.sort_values(["optimiser", "load_cap", "layer"], key=lambda s: s.map(order) if s.name == "optimiser"
-                        else s.map(caps) if s.name == "load_cap" else s).reset_index(drop=True)
+    df = df.sort_values(["optimiser", "load_cap", "layer"], key=_study_order(optimisers, load_caps))
+    df = df.reset_index(drop=True)
     cols = ["optimiser", "load_cap", "layer", "ct_all", "ct_remote", "intra_ratio", "load_max_over_mean",
             "busiest_rows_vs_contiguous", "solve_s", "busiest_sfd_rows_vs_contiguous", "ct_all_profiling",
             "load_max_over_mean_profiling"]
     return df[cols]
 
 
-def best_per_cap(results: list) -> dict:
+def best_per_cap(results: list, load_caps) -> dict:
     """{cap label: {layer: result}}: per layer, the lowest profiling C_T among placements
     within the cap on the profiling set (the most balanced one if none is)."""
     best: dict = {}
-    for cap in LOAD_CAPS:
+    for cap in load_caps:
         label = cap_label(cap)
         for r in (r for r in results if r["load_cap"] == label):
             ok = cap is None or r["load_max_over_mean_profiling"] <= cap + 1e-9
@@ -86,13 +90,13 @@ def best_per_cap(results: list) -> dict:
     return {label: {layer: kr[1] for layer, kr in per.items()} for label, per in best.items()}
 
 
-def save_artifacts(results: list, out_dir: Path, meta: dict) -> list:
+def save_artifacts(results: list, out_dir: Path, meta: dict, load_caps) -> list:
     """One placement artifact per cap (best placement per layer); returns the paths."""
     from ..ep import Placement
     from .artifacts import save_placements
 
     paths = []
-    for label, per_layer in best_per_cap(results).items():
+    for label, per_layer in best_per_cap(results, load_caps).items():
         path = out_dir / f"placements_cap-{label}.json"
         save_placements(path, {layer: Placement.from_groups(r["groups"]) for layer, r in per_layer.items()},
                         {**meta, "load_cap": None if label == "none" else float(label),
@@ -114,13 +118,10 @@ def study_rows(df: pd.DataFrame) -> list:
 
 def frame_from_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """The study's table back from its result rows (one run): one row per (optimiser,
-    cap, layer), in the order of :data:`OPTIMISERS` and :data:`LOAD_CAPS`."""
+    cap, layer), in the study's order (that of the rows, which :func:`study_rows` wrote in it)."""
     sel = rows[rows.metric.isin(list(UNITS)) & rows.phase.str.contains("@")]
     wide = sel.pivot_table(index=["phase", "layer"], columns="metric", values="value").reset_index()
     wide[["optimiser", "load_cap"]] = wide.phase.str.split("@", expand=True)
-    order = {name: i for i, name in enumerate(OPTIMISERS)}
-    caps = {cap_label(c): i for i, c in enumerate(LOAD_CAPS)}
-    wide = wide.sort_values(["optimiser", "load_cap", "layer"],
-                            key=lambda s: s.map(order) if s.name == "optimiser" else s.map(caps)
-                            if s.name == "load_cap" else s)
+    first = {phase: i for i, phase in enumerate(dict.fromkeys(sel.phase))}
+    wide = wide.assign(order=wide.phase.map(first)).sort_values(["order", "layer"])
     return wide[["optimiser", "load_cap", "layer", *UNITS]].reset_index(drop=True)

@@ -8,8 +8,8 @@ On the trained proxy and P = ``cluster.world_size`` ranks, the expert-parallel m
 * held-out tokens: the whole validation split of ``task.corpus``, split evenly over ranks,
 
 and the recorder keeps every token's top-k ids per MoE layer (and its home rank). Every
-optimiser of :data:`occult.placement.study.OPTIMISERS` then runs at every load cap of
-:data:`occult.placement.study.LOAD_CAPS` on every layer's profiling ids (the jobs are
+optimiser of ``task.optimisers`` then runs at every load cap of ``task.load_caps``
+(swap_search for at most ``task.swap_time_limit_s`` per job) on every layer's profiling ids (the jobs are
 shared out over the ranks); each placement is judged on the held-out ids. The run's rows
 hold the study's table (``phase`` = ``<optimiser>@<cap>``, per layer: held-out ``ct_all,
 ct_remote, intra_ratio, load_max_over_mean, busiest_rows_vs_contiguous`` (the busiest
@@ -33,11 +33,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from ..ep.measure import clock
-from ..placement.study import (LOAD_CAPS, OPTIMISERS, cap_label, judge, placement_frame, save_artifacts,
-                               study_jobs, study_rows)
+from ..placement.study import cap_label, judge, placement_frame, save_artifacts, study_jobs, study_rows
 
 TRACE_WINDOWS_PER_BATCH = 8
-SWAP_TIME_LIMIT_S = 10.0          # swap_search's time limit per (layer, cap)
 
 
 def _windows_forward(ctx, model, windows: list) -> dict:
@@ -95,7 +93,7 @@ def collect_traces(ctx, cfg) -> tuple[dict, dict, torch.Tensor]:
 
 
 def run_jobs(ctx, jobs: list, profile_ids: dict, held_ids: dict, held_home: torch.Tensor, num_experts: int,
-             seed: int) -> list:
+             seed: int, time_limit_s: float) -> list:
     """This rank's share of the jobs (job i on rank i % P); returns result dicts."""
     from ..placement import optimise
 
@@ -104,7 +102,7 @@ def run_jobs(ctx, jobs: list, profile_ids: dict, held_ids: dict, held_home: torc
     for j, (name, cap, layer) in enumerate(mine):
         t0 = clock()
         pl = optimise(name, profile_ids[layer], num_experts, ctx.world_size, load_cap=cap, seed=seed,
-                      time_limit_s=SWAP_TIME_LIMIT_S)
+                      time_limit_s=time_limit_s)
         solve_s = clock() - t0
         res = {"optimiser": name, "load_cap": cap_label(cap), "layer": layer, "solve_s": solve_s,
                "groups": pl.groups(), **judge(pl, profile_ids[layer], held_ids[layer], held_home)}
@@ -122,11 +120,12 @@ def run_rank(ctx, cfg_dict: dict) -> list:
     E = cfg.model.num_experts
     t0 = clock()
     profile_ids, held_ids, held_home = collect_traces(ctx, cfg)
-    jobs = study_jobs(sorted(profile_ids))
+    optimisers, caps = list(cfg.task.optimisers), list(cfg.task.load_caps)
+    jobs = study_jobs(sorted(profile_ids), optimisers, caps)
     if ctx.rank == 0:
-        print(f"placement study: {len(jobs)} jobs ({len(OPTIMISERS)} optimisers x {len(LOAD_CAPS)} caps x "
+        print(f"placement study: {len(jobs)} jobs ({len(optimisers)} optimisers x {len(caps)} caps x "
               f"{len(profile_ids)} layers) on {ctx.world_size} rank(s)", flush=True)
-    mine = run_jobs(ctx, jobs, profile_ids, held_ids, held_home, E, cfg.seed)
+    mine = run_jobs(ctx, jobs, profile_ids, held_ids, held_home, E, cfg.seed, cfg.task.swap_time_limit_s)
     gathered = [mine]
     if ctx.world_size > 1:
         gathered = [None] * ctx.world_size
@@ -136,12 +135,12 @@ def run_rank(ctx, cfg_dict: dict) -> list:
     results = [r for part in gathered for r in part]
     out_dir = Path(cfg_dict.get("out_dir_resolved") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
-    df = placement_frame(results)
+    df = placement_frame(results, optimisers, caps)
     meta = {"model": cfg.model.name, "checkpoint": cfg_dict.get("checkpoint"), "num_experts": E,
             "world_size": ctx.world_size, "top_k": cfg.model.top_k, "profiling": f"{cfg.task.corpus}/{cfg.task.split}",
             "profiling_tokens": int(next(iter(profile_ids.values())).shape[0]),
             "heldout_tokens": int(held_home.numel()), "seed": cfg.seed}
-    paths = save_artifacts(results, out_dir, meta)
+    paths = save_artifacts(results, out_dir, meta, caps)
     print(f"placement study: artifacts {[str(p) for p in paths]} ({clock() - t0:.0f} s)", flush=True)
     return study_rows(df)
 
