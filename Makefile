@@ -13,7 +13,7 @@ TUTEL_WHEELS ?= $(firstword $(wildcard ../shared/wheels $(shell git config --get
 TUTEL_COMMIT := 82af7aad9fc3ec981395ba97e7242a480984a55e
 TUTEL_SOURCE ?= git+https://github.com/microsoft/tutel@$(TUTEL_COMMIT)
 
-.PHONY: run test test-all test-triton bench gpu-check venv clean
+.PHONY: run test test-all test-triton bench docs gpu-check venv clean
 
 venv: $(STAMP)
 
@@ -58,6 +58,13 @@ test-triton: $(STAMP)
 # Benchmarks: ratios between systems measured in the same run.
 bench: $(STAMP)
 	$(PY) run.py experiment=bench
+
+# The generated results: docs/results/<experiment>.md from the runs of the default study and
+# the latest benchmark (run `make run` and `make bench` first), stamped with date, commands,
+# commit and machine.
+docs: $(STAMP)
+	$(PY) -m analysis.report runs/default_study --publish docs/results
+	$(PY) -m analysis.report $$(ls -d runs/bench/*/ | tail -1) --publish docs/results
 
 # Everything that needs a GPU, on one GPU (about 8 minutes on an H200): one results file
 # under runs/gpu_check/ (Triton kernels, MegaBlocks' dMoE, a one-rank NCCL world, GEMM and

@@ -724,3 +724,37 @@ def test_two_configs_of_one_system_in_one_folder_stay_two_rows(tmp_path):
     write_results(pd.concat([rows, other], ignore_index=True), tmp_path / "model")
     models = bench.model_table(load_runs([tmp_path / "model"]))
     assert len(models[models.system == "occult"]) == 2 and (models.latency_ratio.dropna() > 0).all()
+
+
+def test_publish_writes_the_stamped_results_file(synthetic_sweep, tmp_path, monkeypatch):
+    """The publish step (``python -m analysis.report RUNS --publish DIR``) on a small sweep:
+    DIR/<experiment>.md stamped with the experiment, the commands, the runs' commit and
+    dates and the machine, then the report's own tables and figures."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr("analysis.figures.fig3_lcc.LCC_DRAWS", 2)
+    docs = tmp_path / "docs"
+    cmd = [sys.executable, "-m", "analysis.report", str(synthetic_sweep), "--out", str(tmp_path / "r"),
+           "--figures", "table1_ct_runtime,fig12_scaling", "--publish", str(docs)]
+    proc = subprocess.run(cmd, cwd=Path(CONF).parent, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = (docs / "synthetic.md").read_text()
+    df = pd.read_parquet(next(synthetic_sweep.rglob("results.parquet")))
+    assert text.startswith("# Results: synthetic")
+    assert "| experiment | `synthetic` |" in text and "`python run.py experiment=synthetic`" in text
+    assert f"--publish {docs}" in text                                        # the command that published it
+    assert f"| runs' commit | {df.git_commit.iloc[0]} |" in text
+    assert f"| runs' dates | {df.time.iloc[0][:10]}" in text
+    assert f"| machine | {df.device.iloc[0]} ({df.hostname.iloc[0]})" in text
+    report = (tmp_path / "r" / "report.md").read_text()
+
+    def table(markdown: str, name: str) -> list:
+        """The Markdown table under a report's ``**name**`` line."""
+        after = markdown.split(f"**{name}** (`{name}.csv`)\n\n", 1)[1].splitlines()
+        return after[:next(i for i, line in enumerate(after) if not line.startswith("|"))]
+
+    for name in ("summary", "table1_fit", "table1_runs", "fig12_measured", "fig12_projected"):
+        assert len(table(text, name)) > 2 and table(text, name) == table(report, name), name   # the report's
+    assert "![table1_ct_runtime](synthetic/table1_ct_runtime.png)" in text
+    assert (docs / "synthetic" / "table1_ct_runtime.png").is_file()
