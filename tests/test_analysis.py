@@ -758,3 +758,19 @@ def test_publish_writes_the_stamped_results_file(synthetic_sweep, tmp_path, monk
         assert len(table(text, name)) > 2 and table(text, name) == table(report, name), name   # the report's
     assert "![table1_ct_runtime](synthetic/table1_ct_runtime.png)" in text
     assert (docs / "synthetic" / "table1_ct_runtime.png").is_file()
+
+
+def test_readme_is_a_manual_that_links_every_result():
+    """The README stays a manual (at most 350 lines) and links every docs/results file;
+    the default study's and the benchmark's are generated (stamped), not copied."""
+    root = Path(CONF).parent
+    readme = (root / "README.md").read_text()
+    assert len(readme.splitlines()) <= 350
+    results = sorted((root / "docs" / "results").glob("*.md"))
+    for name in {p.name for p in results} | {"default_study.md", "bench.md"}:
+        assert f"(docs/results/{name})" in readme, name
+    for name in ("default_study", "bench"):
+        path = root / "docs" / "results" / f"{name}.md"
+        if path.is_file():
+            text = path.read_text()
+            assert text.startswith(f"# Results: {name}") and "| runs' commit |" in text and "Copied" not in text
