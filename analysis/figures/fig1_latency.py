@@ -54,13 +54,13 @@ def _range(values: list[float]) -> str:
     return f"{lo}x" if lo == hi else f"{lo}-{hi}x"
 
 
-def drop_legend(ax) -> None:
+def _drop_legend(ax) -> None:
     """Removes an axes' own legend (the figure carries one for all panels)."""
     if ax.get_legend() is not None:
         ax.get_legend().remove()
 
 
-def two_line_model_ticks(ax, proxy: str = "\n(proxy)") -> None:
+def _two_line_model_ticks(ax, proxy: str = "\n(proxy)") -> None:
     """``olmoe_proxy`` -> ``olmoe`` + ``proxy`` on a categorical x axis, so that names do not overlap."""
     labels = [t.get_text() for t in ax.get_xticklabels()]
     if labels:
@@ -101,19 +101,19 @@ def build(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         ax.set_title(f"{task}: {TASK_LATENCY_LABEL[task]} (measured here)")
         ax.set_ylabel("latency (ms)")
         ax.set_xlabel("")
-        two_line_model_ticks(ax)
-        drop_legend(ax)
+        _two_line_model_ticks(ax)
+        _drop_legend(ax)
         if rows == 2:
             ax2 = axes[1][j]
             sub = proj[proj.task == task]
             if not sub.empty:
                 sns.barplot(data=sub, x="model", y="moe_ms", hue="system", hue_order=systems, palette=pal, ax=ax2)
                 hatch_projected(ax2, f"projected: {FIG1_PROFILE}")
-                drop_legend(ax2)
+                _drop_legend(ax2)
             ax2.set_title(f"{task}: MoE layers of the real model, projected")
             ax2.set_ylabel("projected time (ms)")
             ax2.set_xlabel("real model (routing and rows from its proxy's run)", fontsize=8)
-            two_line_model_ticks(ax2, proxy="")
+            _two_line_model_ticks(ax2, proxy="")
     handles = [plt.Rectangle((0, 0), 1, 1, color=pal[s]) for s in systems]
     fig.subplots_adjust(hspace=0.45, wspace=0.3)
     fig.legend(handles, systems, loc="upper center", ncol=len(systems), bbox_to_anchor=(0.5, 1.0))
