@@ -27,7 +27,6 @@ from . import CONF_DIR
 from .ep.links import ProfileConf  # noqa: F401 - the profile group's schema, with the reader below systems
 
 
-
 @dataclass
 class ModelConf:
     name: str = MISSING
