@@ -44,19 +44,22 @@ def overview(df: pd.DataFrame, out: Path) -> Section:
         return Section("Runs", ["Only calibration runs."])
     table = with_ratios(run_table(runs)).sort_values(["task", "system", "cluster", "top_k"])
     table.to_csv(out / "summary.csv", index=False)
-    shown = table[[c for c in SHOWN if c in table]].dropna(axis=1, how="all")
-    shown = shown.loc[:, (shown != "").any()]             # no empty label column
-    tables = [("summary", shown)]
+    tables = [("summary", _filled(table[[c for c in SHOWN if c in table]]))]
     lat = task_latency(runs)
     if not lat.empty:
-        lat = lat.drop(columns=["run_id", "run_dir", "system_options"], errors="ignore")
-        tables.append(("task_latency", lat.dropna(axis=1, how="all")))
+        tables.append(("task_latency", _filled(lat.drop(columns=["run_id", "run_dir", "system_options"]))))
     text = [f"{table.shape[0]} run(s), {len(df)} result rows; machine: {df.device.iloc[0]}; commit "
             f"{df.git_commit.iloc[0]}.{_wall_time(df)}",
             "Times are medians over timed samples of the slowest rank, in ms, measured on this machine: "
             "compare systems through the ratios, which were measured in the same sweep. C_T, rows and "
             "bytes come from the split sizes that went into the collectives."]
     return Section("Runs", text, tables, plot_phase_times(runs, out))
+
+
+def _filled(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` without its columns that hold nothing (all NaN, or an empty label)."""
+    table = table.dropna(axis=1, how="all")
+    return table.loc[:, (table != "").any()]
 
 
 def _wall_time(df: pd.DataFrame) -> str:
