@@ -27,15 +27,15 @@ def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     out_dir = cfg.out_dir or hc.runtime.output_dir
     run_or_record_failure(cfg, out_dir, multirun=hc.mode == RunMode.MULTIRUN,
-                          overrides=hc.job.override_dirname)
+                          overrides=hc.job.override_dirname, cli_overrides=tuple(hc.overrides.task))
 
 
 if __name__ == "__main__":
-    from occult.cli import one_line_config_errors
+    from occult.cli import one_line_config_errors, sweeps_compose_per_point
     from occult.config import register, searchpath_dirs
 
     register(searchpath_dirs(sys.argv[1:]))
-    with one_line_config_errors():
+    with one_line_config_errors(), sweeps_compose_per_point():
         main()
     from occult.runner import FAILED_POINTS
 

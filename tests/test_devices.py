@@ -20,14 +20,17 @@ from occult.dist import RankFailed, launch
 from occult.ep import import_object, system_config
 from occult.parity import LayerCase, run_grid
 from occult.placement import save_placements
+from occult.tasks.options import task_config
 from occult.ep import Placement
 
 from systems import system, system_configs
 
-TINY = ["model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16", "model.num_layers=2",
-        "task.batch_size=2", "task.seq_len=16", "task.new_tokens=2", "task.warmup=0", "task.iters=1",
-        "task.tokens_per_rank=64"]
-TASKS = ("layer", "prefill", "decode", "train", "finetune")
+TINY = ["model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16", "model.num_layers=2"]
+TEXT = ["task.batch_size=2", "task.seq_len=16"]
+TIMED = ["task.warmup=0", "task.iters=1"]
+TASKS = {"layer": [*TIMED, "task.tokens_per_rank=64"], "prefill": [*TEXT, *TIMED],
+         "decode": [*TEXT, *TIMED, "task.new_tokens=2"], "train": [*TEXT, *TIMED],
+         "finetune": [*TEXT, "task.tokens_per_rank=64", "task.steps=1"]}
 P = 2
 
 
@@ -37,8 +40,10 @@ def _cfg(overrides: list, out_dir: Path) -> dict:
         cfg = compose("config", overrides=overrides)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     cfg_dict["out_dir_resolved"] = str(out_dir)
-    if cfg.task.prepare:
-        cfg_dict = import_object(cfg.task.prepare)(cfg_dict)
+    task = task_config(cfg.task)
+    if task.prepare:
+        cfg_dict = import_object(task.prepare)(cfg_dict)
+    cfg_dict["entry"] = task.entry
     return cfg_dict
 
 
@@ -55,7 +60,7 @@ def every_job(tmp_path: Path) -> list:
         config = system_config(yaml_cfg)
         expert_parallel = config.expert_parallel
         extra = [f"system.placement_file={placement_file}"] if name == "occult_placed" else []
-        for task in TASKS:
+        for task, tiny_task in TASKS.items():
             if not expert_parallel and task in ("layer", "finetune"):
                 continue
             if task == "prefill" and name != "naive":
@@ -63,23 +68,22 @@ def every_job(tmp_path: Path) -> list:
                 # cache-less prompt forward (task=prefill) differs only outside the MoE layers
                 continue
             model = "layer_small" if task == "layer" else "olmoe_proxy"
-            overrides = [f"system={name}", f"task={task}", f"model={model}", f"cluster=cpu{P}", *TINY, *extra]
-            if task == "finetune":
-                overrides += ["task.steps=1"]
+            overrides = [f"system={name}", f"task={task}", f"model={model}", f"cluster=cpu{P}", *TINY, *tiny_task,
+                         *extra]
             if name == "occult_prune_sim":    # finetune profiles the router itself; the others need a file
                 overrides += ["system.profile_tokens=64"] if task == "finetune" else \
                              [f"system.similarity_file={similarity_file}"]
             out = tmp_path / f"{name}-{task}"
             cfg_dict = _cfg(overrides, out)
-            jobs.append((f"{name}/{task}", cfg_dict["task"]["entry"], cfg_dict))
+            jobs.append((f"{name}/{task}", cfg_dict["entry"], cfg_dict))
         # a system's other exact paths (e.g. Occult's fused experts step, which auto takes only
         # for a large EPD), on one layer forward and backward
         for path in config.other_exact_paths() if config.is_exact() else []:
             options = [f"system.{k}={v}" for k, v in path.items()]
-            overrides = [f"system={name}", "task=layer", "model=layer_small", f"cluster=cpu{P}", *TINY, *extra,
-                         *options]
+            overrides = [f"system={name}", "task=layer", "model=layer_small", f"cluster=cpu{P}", *TINY,
+                         *TASKS["layer"], *extra, *options]
             cfg_dict = _cfg(overrides, tmp_path / f"{name}-layer-{'-'.join(options)}")
-            jobs.append((f"{name}{path}/layer", cfg_dict["task"]["entry"], cfg_dict))
+            jobs.append((f"{name}{path}/layer", cfg_dict["entry"], cfg_dict))
     return jobs
 
 
@@ -119,7 +123,8 @@ def test_whole_model_tasks_run_in_bfloat16(tmp_path):
     import pandas as pd
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, "run.py", "-m", "system=occult", "model=olmoe_proxy", "task=prefill,train",
-                           "cluster=cpu2", "model.dtype=bfloat16", *TINY, f"hydra.sweep.dir={tmp_path}"],
+                           "cluster=cpu2", "model.dtype=bfloat16", *TINY, *TEXT, *TIMED,
+                           f"hydra.sweep.dir={tmp_path}"],
                           cwd=root, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     frames = [pd.read_parquet(p) for p in tmp_path.rglob("results.parquet")]

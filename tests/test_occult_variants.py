@@ -18,6 +18,7 @@ from occult.config import register
 from occult.dist import launch
 from occult.ep import Placement, ct_all, devices_per_token, system_config
 from occult.parity import run_model_grid
+from occult.placement import files as placement_files
 from occult.placement import save_placements
 from occult.validate import ConfigError, validate
 from variant_helpers import finetune_changes, pruned_routing
@@ -83,8 +84,8 @@ def test_occult_placed_reads_its_artifact_once(tmp_path, monkeypatch):
     path = tmp_path / "pl.json"
     save_placements(path, placements, {"optimiser": "test"})
     reads = []
-    real = variants.load_placements
-    monkeypatch.setattr(variants, "load_placements", lambda p: reads.append(p) or real(p))
+    real = placement_files.load_placements
+    monkeypatch.setattr(placement_files, "load_placements", lambda p: reads.append(p) or real(p))
     def placed(path):
         return system_config({"name": "occult_placed", "_target_": PLACED["occult_placed"],
                               "placement_file": str(path), "kernels": "torch"})

@@ -12,7 +12,7 @@ from occult.routing_traces import load_trace, trace_topk
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16", "model.num_layers=2",
-        "task.batch_size=2", "task.seq_len=16", "task.new_tokens=3", "task.warmup=0", "task.iters=1"]
+        "task.batch_size=2", "task.seq_len=16", "task.warmup=0", "task.iters=1"]
 
 
 def run_py(*args):
@@ -77,7 +77,10 @@ def test_bench_times_one_layer_of_each_system_in_one_world(tmp_path):
     run_py("task=bench", "model=layer_small", "task.tokens_per_rank=32", "cluster=cpu2", "task.warmup=0",
            "task.iters=2", f"out_dir={tmp_path}")
     df = pd.read_parquet(tmp_path / "results.parquet")
-    assert set(df.system) == {"naive", "occult"} and set(df.task) == {"bench"}
+    # the compared systems' rows, and the run's own (its wall time: no top-level system ran)
+    assert set(df.system) == {"naive", "occult", ""} and set(df.task) == {"bench"}
+    assert set(df[df.system == ""].metric) == {"run_wall_time"}
+    assert df[df.system != ""].groupby("system").run_id.nunique().to_dict() == {"naive": 1, "occult": 1}
     for system in ("naive", "occult"):
         mine = df[df.system == system]
         assert (mine[mine.metric == "parity_checked"].value == 1).all()

@@ -11,19 +11,23 @@ from ..parity import TOLERANCE, LayerCase, check_layer, disagreements
 from ..records import row
 
 
-def parity_gate(ctx, system, num_experts: int, top_k: int, routing: str,
-                placement: Optional[Placement] = None) -> list:
+def parity_gate(ctx, cfg, system, routing: str, placement: Optional[Placement] = None) -> list:
     """Checks ``system`` (a system config or its dict) against the single-device reference
-    on a small float64 problem with the run's E, K, P and placement, to the tolerance of
-    the system's precision (:func:`occult.parity.disagreements`); raises if it disagrees.
-    A lossy system is checked with its loss switched off (``lossless_options``; row
-    ``loss_off_parity``); one whose loss cannot be switched off is not checked.
+    on a small float64 problem with the run's E, K, P and placement (default: the system's
+    placement of the model's first MoE layer), ``cfg.task.parity_tokens`` tokens per rank
+    drawn from the run's seed, to the tolerance of the system's precision
+    (:func:`occult.parity.disagreements`); raises if it disagrees. A lossy system is checked
+    with its loss switched off (``lossless_options``; row ``loss_off_parity``); one whose
+    loss cannot be switched off is not checked (``parity_checked`` 0).
 
     Returns result rows with the relative errors.
     """
     config = system_config(system)
-    case = LayerCase(num_experts, top_k, tuple([32] * ctx.world_size),
-                     routing="router" if routing == "router" else "uniform", seed=12345)
+    m = cfg.model
+    case = LayerCase(m.num_experts, m.top_k, tuple([cfg.task.parity_tokens] * ctx.world_size),
+                     routing="router" if routing == "router" else "uniform", seed=cfg.seed)
+    if placement is None:
+        placement = config.layer_placement(m.get("first_k_dense", 0), m.num_experts, ctx.world_size)
     rows = []
     if not config.is_exact():
         off = config.lossless_options()

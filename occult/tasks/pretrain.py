@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as nnf
@@ -180,11 +182,45 @@ def _plot_curve(curve: list, path: Path, name: str) -> None:
     plt.close(fig)
 
 
-def ensure_trained(cfg, progress: bool = True) -> Path:
-    """The cached trained proxy of ``cfg.model`` (pre-trains it first when missing)."""
+def is_trained(cfg) -> bool:
+    """Whether the proxy of ``cfg.model`` trained with ``cfg.pretrain`` is in the cache."""
+    return (proxy_dir(cfg) / "model.safetensors").is_file()
+
+
+def expected_minutes(cfg) -> Optional[float]:
+    """Minutes a pre-training of ``cfg.model`` should take here, from the recorded wall time
+    of the cached proxies of the same model name (scaled to ``pretrain.steps``); None when
+    there is none."""
+    rates = []
+    for meta in sorted(proxy_dir(cfg).parent.glob(f"{cfg.model.name}-*/occult.json")):
+        try:
+            m = json.loads(meta.read_text())
+            rates.append(m["wall_s"] / max(m["steps"], 1))
+        except (OSError, ValueError, KeyError):
+            continue
+    return sum(rates) / len(rates) * cfg.pretrain.steps / 60 if rates else None
+
+
+def announce(cfg) -> str:
+    """The line said before a missing proxy is pre-trained: which checkpoint is missing,
+    its cache key, the expected time, and how to keep a trained router instead."""
     out = proxy_dir(cfg)
-    if (out / "model.safetensors").is_file():
+    minutes = expected_minutes(cfg)
+    took = (f"about {minutes:.0f} min here (from the cached proxies of {cfg.model.name})" if minutes is not None
+            else f"several minutes on 2 cores ({cfg.pretrain.steps} steps)")
+    return (f"pre-training model={cfg.model.name} (top_k={cfg.model.top_k}, E={cfg.model.num_experts}): no trained "
+            f"checkpoint for this architecture and pretrain settings in {out.parent} (cache key {out.name}); "
+            f"expected {took}; it is cached for every later run. To keep the trained proxy and take fewer "
+            f"experts per token from its router instead, save its routing (task.save_routing=true) and take "
+            f"the top-k of the router logits, as experiment=fig3_lcc does")
+
+
+def ensure_trained(cfg, progress: bool = True) -> Path:
+    """The cached trained proxy of ``cfg.model`` (pre-trains it first when missing, saying so)."""
+    out = proxy_dir(cfg)
+    if is_trained(cfg):
         return out
+    logging.getLogger("occult").warning(announce(cfg))
     tmp = out.with_name(out.name + ".partial")
     pretrain(cfg, tmp, progress)
     tmp.rename(out)
