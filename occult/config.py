@@ -85,6 +85,9 @@ class ClusterConf:
     # that stage their exchange by node (system=hierarchical) read it, the analysis splits
     # bytes into intra- and inter-node by it
     devices_per_node: int = 0
+    # at world size 1, run the backend's collectives (the rank sends to itself) instead of local
+    # copies: make gpu-check's one-GPU NCCL world (NCCL refuses two ranks on one GPU)
+    single_rank_collectives: bool = False
     run_timeout_s: float = 3600.0       # whole run
     collective_timeout_s: float = 300.0
 

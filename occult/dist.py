@@ -225,35 +225,36 @@ def _free_port() -> int:
 
 
 def _rank_context(rank: int, world_size: int, group, backend: str, local_rank: int, seed: int,
-                  default_device: Optional[str], devices_per_node: int = 0) -> RankContext:
+                  default_device: Optional[str], layout: Optional[dict] = None) -> RankContext:
     """The context of a rank whose process group exists; sets its device and clock, and
-    (tests) torch's default device."""
+    (tests) torch's default device. ``layout``: the EPGroup's options (nodes, single-rank
+    collectives)."""
     device = rank_device(backend, local_rank)
     use_device(device)
     if default_device is not None:
         torch.set_default_device(default_device)
-    return RankContext(rank, world_size, EPGroup(rank, world_size, group, device, devices_per_node), seed)
+    return RankContext(rank, world_size, EPGroup(rank, world_size, group, device, **(layout or {})), seed)
 
 
 def _init_rank(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float, threads: int,
-               seed: int, default_device: Optional[str] = None, devices_per_node: int = 0) -> RankContext:
+               seed: int, default_device: Optional[str] = None, layout: Optional[dict] = None) -> RankContext:
     torch.set_num_threads(threads)
     torch.manual_seed(rank_seed(seed, rank))
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, init_method=init_method,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    return _rank_context(rank, world_size, dist.group.WORLD, backend, rank, seed, default_device, devices_per_node)
+    return _rank_context(rank, world_size, dist.group.WORLD, backend, rank, seed, default_device, layout)
 
 
-def _worker(rank, world_size, port, backend, timeout_s, threads, seed, default_device, devices_per_node, fn, args,
+def _worker(rank, world_size, port, backend, timeout_s, threads, seed, default_device, layout, fn, args,
             results, errors, env=None):
     try:
         if env is not None:          # the launching process's environment (a rank forked from the server)
             os.environ.clear()
             os.environ.update(env)
         ctx = _init_rank(rank, world_size, f"tcp://127.0.0.1:{port}", backend, timeout_s, threads, seed,
-                         default_device, devices_per_node)
+                         default_device, layout)
         out = fn(ctx, *args)
         # plain pickle: tensors travel by value (torch's queue reducers would pass shared
         # memory handles that die with this process)
@@ -270,7 +271,8 @@ def _worker(rank, world_size, port, backend, timeout_s, threads, seed, default_d
 def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: int = 0,
            timeout_s: float = 600.0, collective_timeout_s: float = 120.0, threads: int = 0,
            backend: str = "gloo", default_device: Optional[str] = None,
-           host_memory_cache: bool = True, devices_per_node: int = 0) -> list:
+           host_memory_cache: bool = True, devices_per_node: int = 0,
+           single_rank_collectives: bool = False) -> list:
     """Runs ``fn(ctx, *args)`` on ``world_size`` ranks; returns the results in rank order.
 
     In a launcher's world (torchrun, a submitit job) the current process is one rank: the
@@ -283,14 +285,17 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: i
     the caller already set are kept); a launcher's world keeps the environment it has.
     ``devices_per_node``: how the ranks are grouped into nodes (``cluster.devices_per_node``;
     0: one node), which ``ctx.ep`` carries for systems that stage their exchange by node.
+    ``single_rank_collectives``: a world of one rank runs the backend's collectives
+    (:class:`occult.ep.comm.EPGroup`).
     """
+    layout = {"devices_per_node": devices_per_node, "single_rank_collectives": single_rank_collectives}
     world = job_world()
     if world is not None:
         if world.world_size != world_size:
             raise RankFailed(f"launch: the job's world has {world.world_size} ranks, the run asks for {world_size}")
         return _launch_joined(world, fn, args, seed, timeout_s, collective_timeout_s,
                               threads or default_threads(world.local_world_size), backend, default_device,
-                              devices_per_node)
+                              layout)
     threads = threads or default_threads(world_size)
     ctx = _rank_processes(host_memory_cache)
     results, errors = ctx.Queue(), ctx.Queue()
@@ -299,7 +304,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: i
     env = {**os.environ, **added} if ctx.get_start_method() == "forkserver" else None
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world_size, port, backend, collective_timeout_s, threads, seed, default_device,
-                               devices_per_node, fn, args, results, errors, env))
+                               layout, fn, args, results, errors, env))
              for r in range(world_size)]
     os.environ.update(added)                 # spawned children read them when they start
     try:
@@ -319,7 +324,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: i
 
 
 def _launch_joined(world: JobWorld, fn, args, seed, timeout_s, collective_timeout_s, threads, backend,
-                   default_device, devices_per_node=0):
+                   default_device, layout=None):
     """One run in the launcher's world: a process group of its own, made and ended in step
     on every rank; the results gathered to rank 0."""
     join_job_world(backend, timeout_s)
@@ -328,7 +333,7 @@ def _launch_joined(world: JobWorld, fn, args, seed, timeout_s, collective_timeou
     group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=collective_timeout_s))
     try:
         ctx = _rank_context(world.rank, world.world_size, group, backend, world.local_rank, seed, default_device,
-                            devices_per_node)
+                            layout)
         value = fn(ctx, *args)
         gathered = [None] * world.world_size if world.rank == 0 else None
         dist.gather_object(value, gathered, dst=0, group=group)

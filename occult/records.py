@@ -45,7 +45,7 @@ NOT_HASHED = ("resume", "out_dir", "report", "cluster.run_timeout_s", "cluster.c
 # keys added after results were first written, hashed only when they differ from the default that
 # reproduces those results (so earlier runs keep their hash and resume), and the value a table
 # written before them holds
-LATER_KEYS = {"cluster.devices_per_node": 0}
+LATER_KEYS = {"cluster.devices_per_node": 0, "cluster.single_rank_collectives": False}
 LATER_COLUMNS = {"devices_per_node": 0}
 
 

@@ -146,7 +146,7 @@ def run(cfg: DictConfig, out_dir, overrides: tuple = ()) -> Path | None:
     per_rank = launch(entry, c.world_size, (cfg_dict,), seed=cfg.seed,
                       timeout_s=c.run_timeout_s, collective_timeout_s=c.collective_timeout_s,
                       threads=c.threads_per_rank, backend=c.backend, host_memory_cache=c.host_memory_cache,
-                      devices_per_node=c.devices_per_node)
+                      devices_per_node=c.devices_per_node, single_rank_collectives=c.single_rank_collectives)
     if not leader:               # rank 0 writes
         return None
     rows = [r for rank_rows in per_rank for r in rank_rows]

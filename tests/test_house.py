@@ -257,3 +257,77 @@ def test_pretraining_is_bit_reproducible_whatever_the_callers_threads(tmp_path):
     finally:
         torch.set_num_threads(before)
     assert digests[0] == digests[1]
+
+
+@pytest.mark.timeout(120)
+def test_a_run_time_failure_ends_in_one_line_with_its_cause(tmp_path):
+    """A run that fails in its ranks (here a system that forgets its gate weights, stopped by
+    the parity gate) ends with one line, the cause, last on the screen; no Hydra report,
+    no traceback there; the traceback is in the run's log and error.txt."""
+    (tmp_path / "conf" / "system").mkdir(parents=True)
+    (tmp_path / "conf" / "system" / "weightless.yaml").write_text(
+        "name: weightless\n_target_: helpers.WeightlessDispatcher\n")
+    run_dir = tmp_path / "run"
+    proc = run_py(f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "system=weightless", "cluster=cpu1", *SMALL,
+                  f"hydra.run.dir={run_dir}", env=plain_env(PYTHONPATH=str(ROOT / "tests")), check=False)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rank 0 of 1 failed: AssertionError: system=weightless disagrees with the "
+                           "single-device reference"), proc.stderr
+    assert f"(traceback: {run_dir / 'run.log'}" in last
+    assert "Traceback" not in proc.stdout + proc.stderr and "Error executing job" not in proc.stdout + proc.stderr
+    assert "Traceback" in (run_dir / "run.log").read_text() and "Traceback" in (run_dir / "error.txt").read_text()
+
+
+def test_a_missing_proxy_is_announced_before_it_is_pre_trained(tmp_path, monkeypatch, caplog):
+    """One line before pre-training starts: which checkpoint is missing, its cache key, the
+    expected time (from the cached proxies of that model), how to keep a trained router."""
+    import json
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from occult.tasks import model as model_task
+    from occult.tasks import pretrain
+
+    cache = tmp_path / "proxies"
+    monkeypatch.setattr(pretrain, "proxy_dir", lambda cfg: cache / f"{cfg.model.name}-0123456789")
+    (cache / "olmoe_proxy-aaaaaaaaaa").mkdir(parents=True)       # a proxy of another top-k, trained here
+    (cache / "olmoe_proxy-aaaaaaaaaa" / "occult.json").write_text(json.dumps({"wall_s": 300.0, "steps": 400}))
+    said = []
+
+    def fake_pretrain(cfg, out, progress=True):
+        said.append([r.getMessage() for r in caplog.records])      # what was said before training began
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(pretrain, "pretrain", fake_pretrain)
+    cfg = _cfg("task=prefill", "model=olmoe_proxy", "model.top_k=2")
+    with caplog.at_level(logging.INFO, logger="occult"):
+        cfg_dict = model_task.prepare(OmegaConf.to_container(cfg, resolve=True))
+    (line,) = [m for m in said[0] if m.startswith("pre-training")]
+    assert "model=olmoe_proxy (top_k=2, E=64)" in line and "cache key olmoe_proxy-0123456789" in line
+    assert "expected about 5 min here" in line and "experiment=fig3_lcc" in line
+    assert cfg_dict["setup_done"] == ["pre-trained olmoe_proxy"]
+    again = model_task.prepare(OmegaConf.to_container(cfg, resolve=True))      # cached now: no set-up
+    assert "setup_done" not in again and len(said) == 1
+
+
+def test_the_time_left_leaves_out_points_that_ran_one_off_set_up(monkeypatch, caplog):
+    """The first point of `make run` pre-trains a proxy (minutes, once); the estimate
+    after it must not count that as every point's cost."""
+    import logging
+
+    from occult.runner import SWEEP_POINTS_ENV, Progress
+
+    monkeypatch.setenv(SWEEP_POINTS_ENV, "10")
+    progress = Progress()
+    with caplog.at_level(logging.INFO, logger="occult"):
+        progress.begin("a")
+        progress.end(600.0, skipped=False, set_up=True)        # pre-training and the point
+        progress.begin("b")
+        progress.end(30.0, skipped=False)
+        progress.begin("c")
+    lines = [r.getMessage() for r in caplog.records]
+    assert "estimated after a point without one-off set-up" in lines[1]
+    assert lines[2].endswith("(2 done, about 4.0 min left)")               # 8 points x 30 s
