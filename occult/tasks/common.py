@@ -4,9 +4,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ..ep import Placement, Recorder, ct_all, ct_remote, intra_ratio, system_config
+from ..ep.measure import gather_objects, sum_over_ranks
 from ..parity import TOLERANCE, LayerCase, check_layer, disagreements
 from ..records import row
 
@@ -104,11 +104,7 @@ def routing_rows(ctx, rec: Recorder, placement) -> list:
     for layer, pieces in sorted(per_layer.items()):
         ids = torch.cat(pieces).cpu()          # device-to-host: the routing, after timing
         pl = (placement.get(layer) if isinstance(placement, dict) else placement).to("cpu")
-        gathered = [None] * ctx.world_size
-        if ctx.world_size > 1:
-            dist.all_gather_object(gathered, ids, group=ctx.ep.group)
-        else:
-            gathered = [ids]
+        gathered = gather_objects(ctx.ep, ids)
         home = torch.cat([torch.full((g.shape[0],), r, dtype=torch.long, device="cpu")
                           for r, g in enumerate(gathered)])
         all_ids = torch.cat(gathered)
@@ -125,9 +121,7 @@ def routing_rows(ctx, rec: Recorder, placement) -> list:
             if ev.layer == layer and ev.phase in ("dispatch", "combine"):
                 sent[(ev.phase, ev.direction)] = sent.get((ev.phase, ev.direction), 0) + sum(ev.rows_P)
         for (phase, direction), n in sorted(sent.items()):
-            total = torch.tensor([n, ids.shape[0]], dtype=torch.long, device=ctx.device)
-            if ctx.world_size > 1:
-                dist.all_reduce(total, group=ctx.ep.group)
+            total = sum_over_ranks(ctx.ep, torch.tensor([n, ids.shape[0]], dtype=torch.long, device=ctx.device))
             if ctx.rank == 0 and total[1] > 0:
                 out.append(row("rows_per_token", total[0].item() / total[1].item(), "rows/token",
                                layer=layer, rank=-1, phase=phase, direction=direction))

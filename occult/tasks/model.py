@@ -79,8 +79,8 @@ def _finish(ctx, cfg, rec: Recorder, rows: list, model) -> list:
 def _placements(cfg, ctx, model) -> dict:
     """{layer: placement} of the model's EP blocks (contiguous for a model without them)."""
     from ..ep import Placement
-    from ..models.ep_block import EPMoEBlock
-    found = {m.layer_idx: m.dispatcher.placement for m in model.modules() if isinstance(m, EPMoEBlock)}
+    from ..models.ep_block import ep_placements
+    found = ep_placements(model)
     contiguous = Placement.contiguous(cfg.model.num_experts, ctx.world_size)
     return {layer: found.get(layer, contiguous) for layer in range(cfg.model.num_layers)}
 
