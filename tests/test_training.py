@@ -17,7 +17,7 @@ def test_the_schedules_are_the_tasks_own(steps):
     assert [pretraining_schedule(steps).factor(s) for s in range(steps + 1)] == pretraining
     warm = max(1, steps // 10)
     finetuning = [(s + 1) / warm if s < warm else
-                  0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
+                  0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * ((s - warm) / max(1, steps - warm))))
                   for s in range(steps + 1)]
     assert [finetuning_schedule(steps).factor(s) for s in range(steps + 1)] == finetuning
 
