@@ -183,8 +183,7 @@ def test_resume_skips_the_same_config_and_refuses_another(tmp_path):
     assert set(pd.read_parquet(out / "results.parquet").routing) == {"zipf"}
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("overrides, line", [
+BAD_INPUT = [
     (["model.topk=2"], "error: model.topk: unknown key; allowed: name, num_experts, top_k"),
     (["model.top_k=two"], "error: model.top_k='two': Value 'two' of type 'str' could not be converted to Integer"),
     (["system=nonesuch"], "error: system=nonesuch: no such option; available: adaptive_topk, allgather, deepspeed, exflow"),
@@ -193,13 +192,48 @@ def test_resume_skips_the_same_config_and_refuses_another(tmp_path):
     (["system=occult_prune_score", "system.budget=8"],
      "error: system.budget=8 is above cluster.world_size=4: a token can use at most 4 devices, so this budget "
      "would not prune anything"),
-])
-def test_bad_input_is_one_line_without_a_traceback(overrides, line, tmp_path):
-    proc = run_py(*overrides, f"hydra.run.dir={tmp_path}", env=plain_env(), check=False, timeout=120)
-    assert proc.returncode != 0
-    err = proc.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(line), proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr
+    (["task=bench", "task.backward=false"], "error: task.backward: task=bench does not read it; its fields: "),
+    (["task=bench", "system=occult"], "error: system=occult: task=bench does not run the top-level system"),
+    # a sweep whose prefill point cannot take decode's option: refused before any point runs
+    (["-m", "task=decode,prefill", "model=olmoe_proxy", "task.new_tokens=4"],
+     "error: task.new_tokens: task=prefill does not read it; its fields: "),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory):
+    """Every bad input's run.py at once (each is a process start, 3 s of CPU; the cases do
+    not share anything), and the first one once more through the ``occult-bench`` command
+    from another folder: {index: CompletedProcess-like (returncode, stdout, stderr)}."""
+    folder = tmp_path_factory.mktemp("bad")
+    procs = {}
+    for i, (overrides, _) in enumerate(BAD_INPUT):
+        where = ["hydra.sweep.dir=" if "-m" in overrides else "hydra.run.dir=", str(folder / str(i))]
+        procs[i] = subprocess.Popen([sys.executable, "run.py", *overrides, "".join(where)], cwd=ROOT,
+                                    env=plain_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    console = Path(sys.executable).parent / "occult-bench"
+    procs["console"] = subprocess.Popen([str(console), *BAD_INPUT[0][0]], cwd=folder, env=plain_env(),
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return {key: (p.wait(timeout=200), *p.communicate()) for key, p in procs.items()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)))
+def test_bad_input_is_one_line_without_a_traceback(case, bad_input_runs):
+    """One line naming the field (and the allowed values), no traceback. A sweep's points
+    are each composed strictly before any runs (the first, sweep-wide composition skips a
+    swept group's options, which are the points' own)."""
+    overrides, line = BAD_INPUT[case]
+    code, out, err = bad_input_runs[case]
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), err
+    assert "Traceback" not in out + err and "running system" not in out + err
+
+
+def test_the_occult_bench_command_is_run_py(bad_input_runs):
+    code, out, err = bad_input_runs["console"]
+    assert code == 2 and err.strip().startswith(BAD_INPUT[0][1]), err
 
 
 @pytest.mark.timeout(300)
