@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 # Tutel (system=tutel) is not on PyPI. It is installed from a folder of wheels when one is
 # there (a wheel built from the pinned commit against this torch and Python), else built
 # from its source repository at that commit (needs git, a C++ compiler and the network).
@@ -42,16 +43,21 @@ run: $(STAMP)
 	$(PY) run.py experiment=default_study
 	@echo "default study report: runs/default_study/report.md"
 
+# The test tools (the project's `test` extra: pytest, pytest-timeout), once.
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $(TEST_STAMP)
+
 # The default test suite (slow tests excluded); CI runs exactly this.
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
 # Everything, slow tests included.
-test-all: $(STAMP)
+test-all: $(TEST_STAMP)
 	$(PY) -m pytest -q -m ""
 
 # The Triton kernels' logic under the Triton interpreter, on the CPU (installs triton).
-test-triton: $(STAMP)
+test-triton: $(TEST_STAMP)
 	$(PY) -m pip install --quiet triton==3.7.1
 	$(PY) -m pytest -q -m "" tests/test_triton_kernels.py
 

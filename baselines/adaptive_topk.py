@@ -101,8 +101,20 @@ class AdaptiveTopKDispatcher(Dispatcher):
             base_off = self.base_config().lossless_options()
             return {"threshold": 0.0, **({"base_options": {**self.base_options, **base_off}} if base_off else {})}
 
+        # the wrapper is its base plus a routing transform: what a run asks of a system
+        # beyond the transform is the base's answer
         def impl_for(self, world_size: int) -> str:
             return self.base_config().impl_for(world_size)
+
+        @property
+        def precision(self) -> str:
+            return self.base_config().precision
+
+        def check_task(self, task: str) -> None:
+            self.base_config().check_task(task)
+
+        def layer_placement(self, layer: int, num_experts: int, world_size: int):
+            return self.base_config().layer_placement(layer, num_experts, world_size)
 
     def __init__(self, ep, placement, config):
         super().__init__(ep, placement, config)

@@ -68,7 +68,8 @@ from typing import Optional
 
 import torch
 
-from occult.ep import Exchange, Placement, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
+from occult.ep import Exchange, Placement, Recorder, SplitDispatcher, all_to_all_rows, exchange_counts
+from occult.placement.files import PlacementFileConfig
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, scatter_add_rows,
                                sort_pairs_by_destination, weighted_scatter_add)
 
@@ -113,31 +114,14 @@ def _group_keys(key_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class ExFlowDispatcher(SplitDispatcher):
     """ExFlow's context-coherent scheme; ``placement_file``: a placement artifact (JSON from
     :func:`occult.placement.save_placements`) whose per-layer groups this system runs with;
-    empty: contiguous placement."""
+    null: contiguous placement."""
 
     impl = "harness"
 
     @dataclass
-    class Config(SystemConfig):
-        # a placement artifact (e.g. from baselines.exflow_placement); "": contiguous
-        placement_file: str = ""
-
-        def layer_placement(self, layer: int, num_experts: int, world_size: int) -> Placement:
-            """Layer ``layer``'s placement from ``placement_file`` (contiguous when it is empty)."""
-            if not self.placement_file:
-                return Placement.contiguous(num_experts, world_size)
-            from occult.placement import load_placements
-
-            placements, _ = load_placements(self.placement_file)
-            if layer not in placements:
-                raise ValueError(f"system.placement_file={self.placement_file}: no placement for MoE layer "
-                                 f"{layer}; it has layers {sorted(placements)}")
-            found = placements[layer]
-            if (found.num_experts, found.num_devices) != (num_experts, world_size):
-                raise ValueError(f"system.placement_file={self.placement_file}: layer {layer} places "
-                                 f"{found.num_experts} experts on {found.num_devices} devices; this run has "
-                                 f"model.num_experts={num_experts} on cluster.world_size={world_size}")
-            return found
+    class Config(PlacementFileConfig):
+        """``placement_file``: a placement artifact (e.g. from baselines.exflow_placement);
+        null: contiguous (:class:`occult.placement.files.PlacementFileConfig`)."""
 
     # ------------------------------------------------------------------ dispatch
 

@@ -26,7 +26,7 @@ Shapes: T tokens, K top-k, D hidden, P ranks, e local experts, R pairs, C centro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Optional
 
 import torch
 
@@ -93,8 +93,6 @@ class LSHDispatcher(SplitDispatcher):
 
         def lossless_options(self) -> dict:
             return {"bits": 0}
-
-    accepts_dropped_pairs: ClassVar[bool] = False
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         K, e = topk_ids_TK.shape[1], self.placement.num_local

@@ -64,6 +64,7 @@ class MegaBlocksHandle:
     naive: NaiveHandle
     padded_row_R: Optional[torch.Tensor]   # None: no block padding
     padding_rows: int                      # zero rows added before the experts (not sent)
+    routed_pairs: int                      # (token, expert) pairs the routing asked for (dropped ids left out)
 
 
 def block_padded_rows(counts_e: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,8 +83,12 @@ LIBRARY_CHOICES = ("auto", "on", "off")
 
 
 def library_available() -> bool:
-    """Whether the megablocks library can run here (it imports only with CUDA)."""
+    """Whether the megablocks library can run here: it imports only with CUDA, and its
+    grouped GLU (``mlp_impl="grouped"``, the dropless experts used here) needs the
+    ``grouped_gemm`` package (both in the ``gpu`` extra)."""
     if importlib.util.find_spec("megablocks") is None or not torch.cuda.is_available():
+        return False
+    if importlib.util.find_spec("grouped_gemm") is None:
         return False
     try:
         import megablocks.layers.dmoe  # noqa: F401
@@ -145,8 +150,8 @@ class MegaBlocksDispatcher(NaiveDispatcher):
             if self.library not in LIBRARY_CHOICES:
                 raise ValueError(f"system.library={self.library!r}: allowed values are {list(LIBRARY_CHOICES)}")
             if self.library == "on" and not library_available():
-                raise ValueError("system.library=on: the megablocks library does not import here (it needs CUDA "
-                                 "and pip install -e '.[gpu]'); use library=auto or off")
+                raise ValueError("system.library=on: the megablocks library does not run here (it needs CUDA "
+                                 "and pip install -e '.[gpu]': megablocks and grouped_gemm); use library=auto or off")
             if self.library == "on" and world_size > 1:
                 raise ValueError(f"system.library=on runs the megablocks library at EP=1 only (cluster.world_size="
                                  f"{world_size}: its all-to-all would not be accounted); use library=auto or off")
@@ -188,12 +193,14 @@ class MegaBlocksDispatcher(NaiveDispatcher):
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         routed_RD, counts_e, naive = super().dispatch(x_TD, topk_ids_TK, topk_weights_TK, layer=layer,
                                                       recorder=recorder)
+        # device-to-host: the pair count for the dropped-pairs counter (the split sizes already synced)
+        routed = int((topk_ids_TK >= 0).sum())
         if self.config.block_size == 0:
-            return routed_RD, counts_e, MegaBlocksHandle(naive, None, 0)
+            return routed_RD, counts_e, MegaBlocksHandle(naive, None, 0, routed)
         padded_row_R, padded_e = block_padded_rows(counts_e, self.config.block_size)
         B = int(padded_e.sum())
         padded_BD = scatter_add_rows(B, padded_row_R, routed_RD)
-        return padded_BD, padded_e, MegaBlocksHandle(naive, padded_row_R, B - routed_RD.shape[0])
+        return padded_BD, padded_e, MegaBlocksHandle(naive, padded_row_R, B - routed_RD.shape[0], routed)
 
     def combine(self, y_BD, handle: MegaBlocksHandle):
         """``y_BD``: the experts' rows, block-padded when ``block_size`` > 0 (B = R otherwise)."""
@@ -201,5 +208,7 @@ class MegaBlocksDispatcher(NaiveDispatcher):
         return super().combine(y_RD, handle.naive)
 
     def stats(self, handle: MegaBlocksHandle) -> dict:
-        """This rank's load figures of one call: never drops; zero rows added for block padding."""
-        return {"dropped_pairs": 0, "padding_rows": handle.padding_rows}
+        """This rank's load figures of one call: the pairs the routing asked for that no row
+        carried (dropless: 0, counted from the splits that were sent, not assumed), and the
+        zero rows added for block padding."""
+        return {"dropped_pairs": handle.routed_pairs - sum(handle.naive.send_P), "padding_rows": handle.padding_rows}

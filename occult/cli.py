@@ -31,6 +31,22 @@ def _allowed(cause) -> list:
         return []
 
 
+def _task_of(cause):
+    """The task schema (a TaskConf subclass) where ``cause`` happened, or None."""
+    from .tasks.options import TaskConf
+
+    object_type = getattr(cause, "object_type", None)
+    return object_type if isinstance(object_type, type) and issubclass(object_type, TaskConf) else None
+
+
+def _node_name(cause) -> str:
+    """The ``name`` of the config node where ``cause`` happened ("?" when it has none)."""
+    try:
+        return str(cause.parent_node["name"])
+    except Exception:  # noqa: BLE001 - a node without a name
+        return "?"
+
+
 def describe(exc: BaseException) -> str:
     """One line for a composition error."""
     from hydra.errors import MissingConfigException
@@ -53,6 +69,10 @@ def describe(exc: BaseException) -> str:
         allowed = _allowed(cause)
         tail = f"; allowed: {', '.join(allowed)}" if allowed else ""
         if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+            task = _task_of(cause)
+            if task is not None:
+                fields = ", ".join(task.option_names())
+                return f"{key}: task={_node_name(cause)} does not read it; its fields: {fields}"
             return f"{key}: unknown key{tail}"
         what = str(cause).splitlines()[0]
         value = getattr(cause, "value", None)
@@ -96,3 +116,47 @@ def one_line_config_errors():
         yield
     finally:
         hydra_utils.run_and_report = original
+
+
+def _swept_groups(overrides) -> set:
+    """The config groups a multirun's command line sweeps (``task=prefill,decode`` -> task)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
+    return {o.key_or_group for o in parsed if o.is_sweep_override() and "." not in o.key_or_group}
+
+
+@contextmanager
+def sweeps_compose_per_point():
+    """Within the block, a multirun's first composition (the one Hydra makes before the
+    sweep, for its own settings, with every swept group at its default) skips the
+    command line's options of a swept group: ``-m task=prefill,decode task.new_tokens=4``
+    would otherwise fail there, on ``task=layer``, which has no ``new_tokens``. Each point
+    is composed with all of them, strictly (so a point whose task does not read an option
+    fails with that option named, and the other points run)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.types import RunMode
+
+    original_load = ConfigLoaderImpl._load_configuration_impl
+    original_apply = ConfigLoaderImpl._apply_overrides_to_config
+
+    def load(self, config_name, overrides, run_mode, *args, **kwargs):
+        swept = _swept_groups(overrides) if run_mode == RunMode.MULTIRUN else set()
+        if not swept:
+            return original_load(self, config_name, overrides, run_mode, *args, **kwargs)
+
+        def apply(config_overrides, cfg):
+            kept = [o for o in config_overrides if o.key_or_group.split(".", 1)[0] not in swept]
+            return original_apply(kept, cfg)
+
+        ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply)
+        try:
+            return original_load(self, config_name, overrides, run_mode, *args, **kwargs)
+        finally:
+            ConfigLoaderImpl._apply_overrides_to_config = staticmethod(original_apply)
+
+    ConfigLoaderImpl._load_configuration_impl = load
+    try:
+        yield
+    finally:
+        ConfigLoaderImpl._load_configuration_impl = original_load

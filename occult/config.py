@@ -8,7 +8,11 @@ The YAML files under ``conf/`` fill these in. Every group has its schema:
   from the ``_target_`` of every ``system/*.yaml`` in the config folders and stores
   their schemas as ``system_schema/<name>``; ``conf/config.yaml`` merges the chosen
   system's schema under its YAML (``system_schema@system: ${system}``).
-* ``model``, ``task``, ``cluster`` (runnable worlds), ``pretrain``: the dataclasses below.
+* ``task``: each task's own typed options, a subclass of
+  :class:`occult.tasks.options.TaskConf` named by the ``schema`` of its ``task/*.yaml``
+  (stored as ``task_schema/<name>``; ``conf/config.yaml``: ``task_schema@task: ${task}``):
+  a field the task does not read is not in its schema, so setting it fails at compose time.
+* ``model``, ``cluster`` (runnable worlds), ``pretrain``: the dataclasses below.
 * ``profile`` (``conf/profile/sim_*.yaml``): projection profiles of clusters that are not
   here; never run on. Their schema, :class:`ProfileConf`, lives beside their one reader
   (:mod:`occult.ep.links`), below the systems that read profiles at run time.
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import yaml
 from hydra.core.config_store import ConfigStore
@@ -53,43 +57,6 @@ class ModelConf:
 
 
 @dataclass
-class TaskConf:
-    name: str = MISSING
-    entry: str = MISSING                # dotted path of the rank function
-    tokens_per_rank: int = 512          # T
-    routing: str = "uniform"            # router | uniform | zipf
-    zipf_s: float = 1.2                 # skew of task.routing=zipf
-    warmup: int = 2
-    iters: int = 5
-    backward: bool = True
-    check_parity: bool = True           # compare with the reference before timing
-    sync_collectives: bool = False      # barrier before each collective: a2a_time = transfer only
-    calibrate: bool = False             # task=layer: measure the loopback first (cost-model check)
-    expert_parallel_only: bool = False  # the task needs a dispatcher (task=layer)
-    whole_model: bool = False           # the task runs a whole model (needs model.family)
-    prepare: str = ""                   # dotted path run in the launching process first (pre-training)
-    # whole-model tasks
-    batch_size: int = 4                 # sequences per rank
-    seq_len: int = 128
-    new_tokens: int = 16                # decode
-    corpus: str = "shakespeare"         # text the batches come from
-    split: str = "validation"
-    lr: float = 1e-3                    # train / finetune
-    steps: int = 0                      # finetune
-    timing_iters: int = 0               # finetune: timed prefill forwards after evaluating (0: none)
-    save_routing: bool = False          # write routing.parquet (+ router logits) per run
-    # task=bench / bench_model: the systems compared in one world (conf/system names; the first
-    # is the baseline), and the whole-model task bench_model times (prefill | decode | train)
-    compare: List[str] = field(default_factory=list)
-    workload: str = ""
-    # task=placement_study: the optimisers (occult.placement) run at every load cap (null: none,
-    # max / mean device load on the profiling set), and swap_search's time limit per (layer, cap)
-    optimisers: List[str] = field(default_factory=lambda: ["contiguous", "random", "greedy", "swap_search"])
-    load_caps: List[Optional[float]] = field(default_factory=lambda: [None, 1.25, 1.15, 1.1])
-    swap_time_limit_s: float = 10.0
-
-
-@dataclass
 class PretrainConf:
     """How CPU proxies are pre-trained (the cached checkpoint every proxy task uses), and
     the tokenizer every task on them reads (trained on ``corpus``, ``tokenizer_vocab`` ids)."""
@@ -120,6 +87,9 @@ class ClusterConf:
     # that stage their exchange by node (system=hierarchical) read it, the analysis splits
     # bytes into intra- and inter-node by it
     devices_per_node: int = 0
+    # at world size 1, run the backend's collectives (the rank sends to itself) instead of local
+    # copies: make gpu-check's one-GPU NCCL world (NCCL refuses two ranks on one GPU)
+    single_rank_collectives: bool = False
     run_timeout_s: float = 3600.0       # whole run
     collective_timeout_s: float = 300.0
 
@@ -128,7 +98,7 @@ class ClusterConf:
 class RunConf:
     system: Any = MISSING               # the system's own schema (see the module docstring)
     model: ModelConf = field(default_factory=ModelConf)
-    task: TaskConf = field(default_factory=TaskConf)
+    task: Any = MISSING                 # the task's own schema (occult.tasks.options)
     cluster: ClusterConf = field(default_factory=ClusterConf)
     pretrain: PretrainConf = field(default_factory=PretrainConf)
     experiment_name: str = "adhoc"      # the results column "experiment"
@@ -140,12 +110,12 @@ class RunConf:
     report_options: Dict[str, Any] = field(default_factory=dict)   # {builder: {option: value}}: its knobs
 
 
-GROUP_SCHEMAS = {"model": ModelConf, "task": TaskConf, "cluster": ClusterConf, "profile": ProfileConf}
+GROUP_SCHEMAS = {"model": ModelConf, "cluster": ClusterConf, "profile": ProfileConf}
 
 
 def read_conf(group: str, name: str):
     """``conf/<group>/<name>.yaml`` through its group's schema (:data:`GROUP_SCHEMAS`;
-    ``system``: the system's own typed config; ``experiment``: the run fields it sets, in
+    ``system`` and ``task``: their own typed configs; ``experiment``: the run fields it sets, in
     :class:`RunConf`): defaults filled in, a misspelt or mistyped
     field a one-line :class:`ConfigError` naming it. The one way code outside Hydra's
     composition reads a config file."""
@@ -161,6 +131,9 @@ def read_conf(group: str, name: str):
         raise ConfigError(f"{group}={name}: no such config; available: {', '.join(names)}")
     if group == "system":
         return system_config(OmegaConf.load(path))
+    if group == "task":
+        from .tasks.options import task_config
+        return task_config(OmegaConf.load(path))
     if group == "experiment":      # a global delta: its run fields (report, report_options, task, ...)
         raw = OmegaConf.load(path)
         fields = {k: raw[k] for k in raw if k not in ("defaults", "hydra")}
@@ -169,21 +142,26 @@ def read_conf(group: str, name: str):
         except OmegaConfBaseException as exc:
             raise ConfigError(f"experiment={name}: {str(exc).splitlines()[0]}") from exc
     if group not in GROUP_SCHEMAS:
-        raise ConfigError(f"read_conf: group={group!r}; allowed: {sorted(GROUP_SCHEMAS) + ['experiment', 'system']}")
+        raise ConfigError(f"read_conf: group={group!r}; allowed: {sorted(GROUP_SCHEMAS) + ['experiment', 'system', 'task']}")
     try:
         return OmegaConf.merge(OmegaConf.structured(GROUP_SCHEMAS[group]), OmegaConf.load(path))
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{group}={name}: {str(exc).splitlines()[0]}") from exc
 
 
-def system_yamls(conf_dirs: Sequence[Path]) -> dict:
-    """``{name: path}`` of every ``system/*.yaml`` in the config folders (the first folder
+def group_yamls(conf_dirs: Sequence[Path], group: str = "system") -> dict:
+    """``{name: path}`` of every ``<group>/*.yaml`` in the config folders (the first folder
     that has a name wins, as in Hydra's search path)."""
     found: dict = {}
     for d in conf_dirs:
-        for p in sorted((Path(d) / "system").glob("*.yaml")):
+        for p in sorted((Path(d) / group).glob("*.yaml")):
             found.setdefault(p.stem, p)
     return found
+
+
+def system_yamls(conf_dirs: Sequence[Path]) -> dict:
+    """``{name: path}`` of every ``system/*.yaml`` in the config folders."""
+    return group_yamls(conf_dirs, "system")
 
 
 def _schema_of(path: Path):
@@ -199,14 +177,30 @@ def _schema_of(path: Path):
         return None
 
 
+def _task_schema_of(path: Path):
+    """The task schema a task YAML's ``schema`` names (None when it cannot be imported:
+    validation then reports why)."""
+    from .errors import ConfigError
+    from .tasks.options import task_schema
+
+    try:
+        return task_schema((yaml.safe_load(path.read_text()) or {}).get("schema", ""))
+    except ConfigError:
+        return None
+
+
 def register(conf_dirs: Sequence[Path] = ()) -> None:
-    """Stores the run schema and every system's schema (from ``conf/`` and ``conf_dirs``,
-    e.g. a user's folders on ``hydra.searchpath``) in Hydra's ConfigStore."""
+    """Stores the run schema, every system's schema and every task's schema (from ``conf/``
+    and ``conf_dirs``, e.g. a user's folders on ``hydra.searchpath``) in Hydra's ConfigStore."""
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConf)
-    for name, path in system_yamls([CONF_DIR, *conf_dirs]).items():
+    dirs = [CONF_DIR, *conf_dirs]
+    for name, path in system_yamls(dirs).items():
         schema = _schema_of(path)
         cs.store(group="system_schema", name=name, node=schema if schema is not None else {})
+    for name, path in group_yamls(dirs, "task").items():
+        schema = _task_schema_of(path)
+        cs.store(group="task_schema", name=name, node=schema if schema is not None else {})
 
 
 def searchpath_dirs(argv: Sequence[str]) -> list:

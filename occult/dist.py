@@ -183,6 +183,41 @@ HOST_MEMORY_CACHE = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESH
                      "MALLOC_TOP_PAD_": str(1 << 30), "THP_MEM_ALLOC_ENABLE": "1"}
 
 
+# How spawned ranks start. A rank process that starts from scratch imports torch and the
+# harness (about 2 s of CPU each, 4.5 s for 4 ranks on 2 cores); ranks forked from a
+# server process that imported them once start in under 0.1 s (multiprocessing's
+# forkserver: the server is a fresh process that only imported modules, never computed or
+# touched a GPU, so forking it is safe for CUDA ranks too). The server starts with this
+# process's environment and HOST_MEMORY_CACHE (glibc reads its malloc settings when a
+# process starts), so runs with host_memory_cache=false spawn their ranks, as does
+# OCCULT_RANK_START=spawn. Each rank then takes the launching process's environment of
+# the moment (os.environ), its sys.path and working folder, as a spawned rank would.
+RANK_START_ENV = "OCCULT_RANK_START"
+RANK_PRELOAD = ["torch", "torch.distributed", "occult.dist", "occult.ep", "occult.parity", "occult.tasks.common",
+                "occult.models.runtime"]
+
+
+def _rank_processes(host_memory_cache: bool):
+    """The multiprocessing context that starts this launch's ranks (see RANK_START_ENV)."""
+    method = os.environ.get(RANK_START_ENV, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{RANK_START_ENV}={method!r}: allowed values are ['forkserver', 'spawn']")
+    if method == "spawn" or not host_memory_cache:
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    added = {k: v for k, v in HOST_MEMORY_CACHE.items() if k not in os.environ}
+    os.environ.update(added)                 # the server reads them when it starts
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+    return ctx
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -190,32 +225,36 @@ def _free_port() -> int:
 
 
 def _rank_context(rank: int, world_size: int, group, backend: str, local_rank: int, seed: int,
-                  default_device: Optional[str], devices_per_node: int = 0) -> RankContext:
+                  default_device: Optional[str], layout: Optional[dict] = None) -> RankContext:
     """The context of a rank whose process group exists; sets its device and clock, and
-    (tests) torch's default device."""
+    (tests) torch's default device. ``layout``: the EPGroup's options (nodes, single-rank
+    collectives)."""
     device = rank_device(backend, local_rank)
     use_device(device)
     if default_device is not None:
         torch.set_default_device(default_device)
-    return RankContext(rank, world_size, EPGroup(rank, world_size, group, device, devices_per_node), seed)
+    return RankContext(rank, world_size, EPGroup(rank, world_size, group, device, **(layout or {})), seed)
 
 
 def _init_rank(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float, threads: int,
-               seed: int, default_device: Optional[str] = None, devices_per_node: int = 0) -> RankContext:
+               seed: int, default_device: Optional[str] = None, layout: Optional[dict] = None) -> RankContext:
     torch.set_num_threads(threads)
     torch.manual_seed(rank_seed(seed, rank))
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, init_method=init_method,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    return _rank_context(rank, world_size, dist.group.WORLD, backend, rank, seed, default_device, devices_per_node)
+    return _rank_context(rank, world_size, dist.group.WORLD, backend, rank, seed, default_device, layout)
 
 
-def _worker(rank, world_size, port, backend, timeout_s, threads, seed, default_device, devices_per_node, fn, args,
-            results, errors):
+def _worker(rank, world_size, port, backend, timeout_s, threads, seed, default_device, layout, fn, args,
+            results, errors, env=None):
     try:
+        if env is not None:          # the launching process's environment (a rank forked from the server)
+            os.environ.clear()
+            os.environ.update(env)
         ctx = _init_rank(rank, world_size, f"tcp://127.0.0.1:{port}", backend, timeout_s, threads, seed,
-                         default_device, devices_per_node)
+                         default_device, layout)
         out = fn(ctx, *args)
         # plain pickle: tensors travel by value (torch's queue reducers would pass shared
         # memory handles that die with this process)
@@ -232,7 +271,8 @@ def _worker(rank, world_size, port, backend, timeout_s, threads, seed, default_d
 def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: int = 0,
            timeout_s: float = 600.0, collective_timeout_s: float = 120.0, threads: int = 0,
            backend: str = "gloo", default_device: Optional[str] = None,
-           host_memory_cache: bool = True, devices_per_node: int = 0) -> list:
+           host_memory_cache: bool = True, devices_per_node: int = 0,
+           single_rank_collectives: bool = False) -> list:
     """Runs ``fn(ctx, *args)`` on ``world_size`` ranks; returns the results in rank order.
 
     In a launcher's world (torchrun, a submitit job) the current process is one rank: the
@@ -245,24 +285,28 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: i
     the caller already set are kept); a launcher's world keeps the environment it has.
     ``devices_per_node``: how the ranks are grouped into nodes (``cluster.devices_per_node``;
     0: one node), which ``ctx.ep`` carries for systems that stage their exchange by node.
+    ``single_rank_collectives``: a world of one rank runs the backend's collectives
+    (:class:`occult.ep.comm.EPGroup`).
     """
+    layout = {"devices_per_node": devices_per_node, "single_rank_collectives": single_rank_collectives}
     world = job_world()
     if world is not None:
         if world.world_size != world_size:
             raise RankFailed(f"launch: the job's world has {world.world_size} ranks, the run asks for {world_size}")
         return _launch_joined(world, fn, args, seed, timeout_s, collective_timeout_s,
                               threads or default_threads(world.local_world_size), backend, default_device,
-                              devices_per_node)
+                              layout)
     threads = threads or default_threads(world_size)
-    ctx = mp.get_context("spawn")
+    ctx = _rank_processes(host_memory_cache)
     results, errors = ctx.Queue(), ctx.Queue()
     port = _free_port()
+    added = {k: v for k, v in HOST_MEMORY_CACHE.items() if k not in os.environ} if host_memory_cache else {}
+    env = {**os.environ, **added} if ctx.get_start_method() == "forkserver" else None
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world_size, port, backend, collective_timeout_s, threads, seed, default_device,
-                               devices_per_node, fn, args, results, errors))
+                               layout, fn, args, results, errors, env))
              for r in range(world_size)]
-    added = {k: v for k, v in HOST_MEMORY_CACHE.items() if k not in os.environ} if host_memory_cache else {}
-    os.environ.update(added)                 # the children read them when they start
+    os.environ.update(added)                 # spawned children read them when they start
     try:
         for p in procs:
             p.start()
@@ -280,7 +324,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: i
 
 
 def _launch_joined(world: JobWorld, fn, args, seed, timeout_s, collective_timeout_s, threads, backend,
-                   default_device, devices_per_node=0):
+                   default_device, layout=None):
     """One run in the launcher's world: a process group of its own, made and ended in step
     on every rank; the results gathered to rank 0."""
     join_job_world(backend, timeout_s)
@@ -289,7 +333,7 @@ def _launch_joined(world: JobWorld, fn, args, seed, timeout_s, collective_timeou
     group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=collective_timeout_s))
     try:
         ctx = _rank_context(world.rank, world.world_size, group, backend, world.local_rank, seed, default_device,
-                            devices_per_node)
+                            layout)
         value = fn(ctx, *args)
         gathered = [None] * world.world_size if world.rank == 0 else None
         dist.gather_object(value, gathered, dst=0, group=group)

@@ -17,13 +17,23 @@ megablocks).
 3. The MegaBlocks library's dMoE experts at EP=1 (``system=megablocks``, ``library=on``)
    against the single-device reference (bf16), then its forward time beside the
    harness's scheme.
-4. A one-rank NCCL world: ``python run.py -m cluster=gpu1 system=naive,occult task=layer
-   model=bench_olmoe model.dtype=bfloat16``, every run's parity gate and its layer times.
+4. A one-rank NCCL world: ``python run.py -m cluster=gpu1 cluster.single_rank_collectives=true
+   system=naive,occult task=layer model=bench_olmoe model.dtype=bfloat16``, every run's parity
+   gate and its layer times. At P = 1 the harness's collectives are local copies; with
+   ``single_rank_collectives`` they go through NCCL (the rank sends to itself), which
+   ``NCCL_DEBUG=INFO``'s lines in the run's output confirm. One GPU cannot test an exchange
+   between GPUs (NCCL refuses two ranks on one device): uneven splits between ranks, NVLink
+   or network bandwidth and the overlap of collectives with compute need two GPUs or more.
 5. The GPU's expert-GEMM throughput (the grouped SwiGLU of step 2's shape, bf16) and its
    memory bandwidth (a 1 GiB device-to-device copy). They replace the datasheet peak
    and efficiency of ``conf/profile/sim_h100x8.yaml`` in a measured profile written
    beside the results (``profile_<gpu>x8_measured.yaml``: compute and memory measured,
    links still the datasheet's), for ``python -m analysis.project RUNS --profile <that file>``.
+
+The check exits with status 1 when any step failed (an exception), any of its checks is
+false (the parity results, the NCCL world's), or the NCCL world's command failed, and it
+prints the failed checks by name; a step that could not run (a library not installed) is
+listed as skipped.
 """
 from __future__ import annotations
 
@@ -155,13 +165,19 @@ def megablocks_library(tokens: int) -> dict:
 
 
 def nccl_world(out: Path, tokens: int) -> dict:
-    """Step 4: run.py on a one-rank NCCL world for naive and occult."""
+    """Step 4: run.py on a one-rank NCCL world for naive and occult, its collectives through
+    NCCL (``cluster.single_rank_collectives``; ``NCCL_DEBUG=INFO`` shows NCCL at work)."""
+    import os
+
     import pandas as pd
     sweep = out / "nccl_gpu1"
-    cmd = [sys.executable, "run.py", "-m", "cluster=gpu1", "system=naive,occult", "task=layer", "model=bench_olmoe",
-           "model.dtype=bfloat16", f"task.tokens_per_rank={tokens}", "task.iters=3", f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    res = {"command": " ".join(cmd[1:]), "returncode": proc.returncode}
+    cmd = [sys.executable, "run.py", "-m", "cluster=gpu1", "cluster.single_rank_collectives=true",
+           "system=naive,occult", "task=layer", "model=bench_olmoe", "model.dtype=bfloat16",
+           f"task.tokens_per_rank={tokens}", "task.iters=3", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "NCCL_DEBUG": "INFO"})
+    res = {"command": " ".join(cmd[1:]), "returncode": proc.returncode,
+           "nccl_used": "NCCL INFO" in proc.stdout + proc.stderr}
     if proc.returncode:
         res["stderr_tail"] = proc.stderr[-2000:]
         return res
@@ -208,38 +224,74 @@ def measured_profile(name: str, tp: dict) -> str:
     return yaml.safe_dump(base, sort_keys=False)
 
 
-def main() -> None:
+# the steps: name -> fn(args, out_dir) -> the step's results (booleans are its checks)
+STEPS = {"triton_kernels": lambda args, out: triton_kernels(args.tokens),
+         "megablocks_library": lambda args, out: megablocks_library(args.tokens),
+         "nccl_world": lambda args, out: nccl_world(out, args.tokens),
+         "throughput": lambda args, out: throughput(args.tokens)}
+
+
+def failed_checks(report: dict) -> list:
+    """What failed, by name: a step's error, a check that is false (a boolean anywhere in a
+    step's results), a command's non-zero return code."""
+    failed = []
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for key, v in value.items():
+                if key == "error":
+                    failed.append(f"{prefix}: {v}")
+                elif key == "returncode" and v:
+                    failed.append(f"{prefix}.returncode = {v}")
+                else:
+                    walk(f"{prefix}.{key}", v)
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(f"{prefix}[{i}]", v)
+        elif value is False:
+            failed.append(f"{prefix} is false")
+
+    for name in STEPS:
+        walk(name, report.get(name, {}))
+    return failed
+
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192, help="tokens of the OLMoE-shaped layer")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("make gpu-check needs a CUDA GPU (torch.cuda.is_available() is False)")
     out = Path(args.out or ROOT / "runs" / "gpu_check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}")
     out.mkdir(parents=True, exist_ok=True)
     from .ep.measure import clock
     report = {"device": device_facts(), "tokens": args.tokens}
-    steps = [("triton_kernels", lambda: triton_kernels(args.tokens)),
-             ("megablocks_library", lambda: megablocks_library(args.tokens)),
-             ("nccl_world", lambda: nccl_world(out, args.tokens)),
-             ("throughput", lambda: throughput(args.tokens))]
-    for name, step in steps:
+    for name, step in STEPS.items():
         t0 = clock()
         try:
-            report[name] = step()
+            report[name] = step(args, out)
         except Exception as exc:  # noqa: BLE001 - one failed step must not lose the others
             report[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
         report[name]["seconds"] = clock() - t0
         print(f"gpu-check {name}: {json.dumps(report[name], default=str)[:400]}", flush=True)
         (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-    if "grouped_swiglu_TFLOPs" in report["throughput"]:
+    if "grouped_swiglu_TFLOPs" in report.get("throughput", {}):
         path = out / f"profile_{re.sub(r'[^a-z0-9]+', '_', report['device']['name'].lower())}x8_measured.yaml"
         path.write_text(measured_profile(report["device"]["name"], report["throughput"]))
         report["measured_profile"] = str(path)
+    report["failed"] = failed_checks(report)
+    report["skipped"] = [f"{n}: {report[n]['skipped']}" for n in STEPS if "skipped" in report.get(n, {})]
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
     lines = [f"# gpu-check on {report['device']['name']}", "", "```", json.dumps(report, indent=1, default=str), "```"]
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
     print(out / "gpu_check.json")
+    for line in report["skipped"]:
+        print(f"gpu-check skipped {line}")
+    if report["failed"]:
+        print(f"gpu-check FAILED ({len(report['failed'])}):\n  " + "\n  ".join(report["failed"]), flush=True)
+        raise SystemExit(1)
+    print("gpu-check passed: every step ran and every check is true")
 
 
 if __name__ == "__main__":

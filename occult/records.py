@@ -45,7 +45,8 @@ NOT_HASHED = ("resume", "out_dir", "report", "report_options", "cluster.run_time
 # keys added after results were first written, hashed only when they differ from the default that
 # reproduces those results (so earlier runs keep their hash and resume), and the value a table
 # written before them holds
-LATER_KEYS = {"cluster.devices_per_node": 0, "task.optimisers": ["contiguous", "random", "greedy", "swap_search"],
+LATER_KEYS = {"cluster.devices_per_node": 0, "cluster.single_rank_collectives": False,
+              "task.optimisers": ["contiguous", "random", "greedy", "swap_search"],
               "task.load_caps": [None, 1.25, 1.15, 1.1], "task.swap_time_limit_s": 10.0}
 LATER_COLUMNS = {"devices_per_node": 0}
 

@@ -20,18 +20,21 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from .dist import broadcast_from_rank0, job_world, join_job_world, launch
+from .dist import RankFailed, broadcast_from_rank0, job_world, join_job_world, launch
 from .ep import import_object, system_config
 from .ep.measure import clock_name
 from .errors import ConfigError
 from .records import (config_diff, config_hash, has_results, hashed_config, make_frame, read_run_config, row,
                       write_results, write_run_config)
+from .tasks.options import task_config
 from .validate import validate
 
 log = logging.getLogger("occult")
 ERROR_FILE = "error.txt"
 # points of this process's multirun that failed; run.py exits non-zero when any did
 FAILED_POINTS: list = []
+# one-off set-up the running point's preparation did (pre-training a proxy), in words
+SETUP_DONE: list = []
 # validation notes already logged by this process
 NOTED: set = set()
 # the number of points of the running sweep (set by the sweeper, read for progress lines)
@@ -39,19 +42,38 @@ SWEEP_POINTS_ENV = "OCCULT_SWEEP_POINTS"
 
 
 def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
-    """The context columns of every row of this run."""
-    m, t, c = cfg.model, cfg.task, cfg.cluster
-    config = system_config(cfg.system)
+    """The context columns of every row of this run. A task that does not have a column's
+    field writes -1 (``routing``: ``router`` for a whole model, whose own routers route;
+    else ""); a task that runs no top-level system writes ``system`` "" (its rows name
+    their own systems)."""
+    m, c = cfg.model, cfg.cluster
+    t = task_config(cfg.task)
     world = job_world()
-    return {"run_id": f"{cfg.experiment_name}/{config.name}/{m.name}/{t.name}/{c.name}/{digest}",
-            "experiment": cfg.experiment_name, "label": cfg.label, "system": config.name, "impl": config.impl_for(c.world_size),
-            "system_options": config.options_json(), "model": m.name,
+    if t.uses_system:
+        config = system_config(cfg.system)
+        system = {"system": config.name, "impl": config.impl_for(c.world_size),
+                  "system_options": config.options_json()}
+    else:
+        system = {"system": "", "impl": "", "system_options": "{}"}
+    return {"run_id": f"{cfg.experiment_name}/{system['system'] or '-'}/{m.name}/{t.name}/{c.name}/{digest}",
+            "experiment": cfg.experiment_name, "label": cfg.label, **system, "model": m.name,
             "init": cfg_dict.get("checkpoint") or "random", "task": t.name, "cluster": c.name,
             "world_size": c.world_size, "devices_per_node": c.devices_per_node, "num_experts": m.num_experts, "top_k": m.top_k,
             "hidden_size": m.hidden_size, "expert_ffn_size": m.expert_ffn_size,
-            "tokens_per_rank": t.tokens_per_rank, "routing": t.routing, "batch_size": t.batch_size,
-            "seq_len": t.seq_len, "seed": cfg.seed, "config_hash": digest, "clock": clock_name(c.backend),
+            "tokens_per_rank": getattr(t, "tokens_per_rank", -1),
+            "routing": getattr(t, "routing", "router" if t.whole_model else ""),
+            "batch_size": getattr(t, "batch_size", -1), "seq_len": getattr(t, "seq_len", -1),
+            "seed": cfg.seed, "config_hash": digest, "clock": clock_name(c.backend),
             "launcher": world.kind if world is not None else "local"}
+
+
+def run_hashed_config(cfg: DictConfig) -> dict:
+    """The composed config as it is hashed (:func:`occult.records.hashed_config`); a task that
+    runs no top-level system leaves ``system`` out (its compared systems are in the task)."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    if not task_config(cfg.task).uses_system:
+        container.pop("system", None)
+    return hashed_config(container)
 
 
 def already_done(out_dir: Path, hashed: dict) -> bool:
@@ -71,22 +93,22 @@ def already_done(out_dir: Path, hashed: dict) -> bool:
     raise ConfigError(f"{out_dir} holds results of a different config ({'; '.join(diff)}); {how}")
 
 
-def _decide(cfg: DictConfig, out_dir: Path, hashed: dict):
+def _decide(cfg: DictConfig, out_dir: Path, hashed: dict, overrides: tuple):
     """What this point does: ``"skip"`` (results of this config exist), ``"run"`` (and the
     validation notes), or ``("error", message)`` for a config that cannot run here."""
     try:
         if cfg.resume and already_done(out_dir, hashed):
             return "skip", []
-        return "run", validate(cfg)
+        return "run", validate(cfg, overrides)
     except ConfigError as exc:
         return "error", str(exc)
 
 
-def run(cfg: DictConfig, out_dir) -> Path | None:
+def run(cfg: DictConfig, out_dir, overrides: tuple = ()) -> Path | None:
     """Runs one configuration; returns the results file (None when skipped, and on every
-    rank but 0 of a launcher's world)."""
+    rank but 0 of a launcher's world). ``overrides``: the run's command-line overrides."""
     out_dir = Path(out_dir)
-    hashed = hashed_config(OmegaConf.to_container(cfg, resolve=True))
+    hashed = run_hashed_config(cfg)
     digest = config_hash(hashed)
     world = job_world()
     if world is not None:        # torchrun or a submitit job: rank 0 decides, the others follow
@@ -94,7 +116,7 @@ def run(cfg: DictConfig, out_dir) -> Path | None:
         if world.rank != 0:
             log.setLevel(logging.WARNING)            # rank 0 tells the story
     leader = world is None or world.rank == 0
-    decision, notes = _decide(cfg, out_dir, hashed) if leader else (None, None)
+    decision, notes = _decide(cfg, out_dir, hashed, tuple(overrides)) if leader else (None, None)
     if world is not None:
         decision, notes = broadcast_from_rank0((decision, notes))
     if decision == "skip":
@@ -106,22 +128,25 @@ def run(cfg: DictConfig, out_dir) -> Path | None:
         if note not in NOTED:            # once per process, not once per sweep point
             NOTED.add(note)
             log.warning(note)
-    entry = import_object(cfg.task.entry)
+    task = task_config(cfg.task)
+    entry = import_object(task.entry)
     c = cfg.cluster
-    systems = ",".join(cfg.task.compare) if cfg.task.compare else cfg.system.name
-    log.info("running system=%s model=%s task=%s on %d rank(s)", systems, cfg.model.name, cfg.task.name,
+    log.info("running %s model=%s task=%s on %d rank(s)", _systems_of(cfg, task), cfg.model.name, task.name,
              c.world_size)
     t0 = time.perf_counter()
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     cfg_dict["out_dir_resolved"] = str(out_dir)
-    if cfg.task.prepare:         # e.g. pre-training a missing proxy: once, on rank 0
-        cfg_dict = import_object(cfg.task.prepare)(cfg_dict) if leader else None
+    cfg_dict["run_digest"] = digest          # a task that tags rows with run ids of its own builds on it
+    if task.prepare:         # e.g. pre-training a missing proxy: once, on rank 0
+        cfg_dict = import_object(task.prepare)(cfg_dict) if leader else None
         if world is not None:
             cfg_dict = broadcast_from_rank0(cfg_dict)
+    # one-off set-up the preparation did (e.g. pre-training a proxy): not a point's usual cost
+    SETUP_DONE.extend(cfg_dict.pop("setup_done", []))
     per_rank = launch(entry, c.world_size, (cfg_dict,), seed=cfg.seed,
                       timeout_s=c.run_timeout_s, collective_timeout_s=c.collective_timeout_s,
                       threads=c.threads_per_rank, backend=c.backend, host_memory_cache=c.host_memory_cache,
-                      devices_per_node=c.devices_per_node)
+                      devices_per_node=c.devices_per_node, single_rank_collectives=c.single_rank_collectives)
     if not leader:               # rank 0 writes
         return None
     rows = [r for rank_rows in per_rank for r in rank_rows]
@@ -135,6 +160,14 @@ def run(cfg: DictConfig, out_dir) -> Path | None:
     return path
 
 
+def _systems_of(cfg: DictConfig, task) -> str:
+    """``system=<name>``, or the compared systems of a task that runs no top-level one."""
+    if task.uses_system:
+        return f"system={cfg.system.name}"
+    names = [s if isinstance(s, str) else s.get("name", "?") for s in getattr(task, "compare", [])]
+    return f"systems={','.join(names)}" if names else "no system"
+
+
 @dataclass
 class Progress:
     """Progress of this process's sweep: points started, seconds of the points that ran."""
@@ -142,6 +175,7 @@ class Progress:
     started: int = 0
     ran_seconds: list = field(default_factory=list)
     skipped: int = 0
+    set_up: int = 0
 
     def begin(self, overrides: str) -> None:
         self.started += 1
@@ -152,12 +186,18 @@ class Progress:
             remaining = int(total) - done
             per_point = sum(self.ran_seconds) / len(self.ran_seconds)
             left = f", about {_minutes(per_point * remaining * (1 - self.skipped / max(done, 1)))} left"
+        elif total and self.set_up:
+            left = ", time left: estimated after a point without one-off set-up"
         of = f"/{total}" if total else ""
         log.info("[point %d%s] %s (%d done%s)", self.started, of, overrides or "(no overrides)", done, left)
 
-    def end(self, seconds: float, skipped: bool) -> None:
+    def end(self, seconds: float, skipped: bool, set_up: bool = False) -> None:
+        """A point ended; ``set_up``: it ran one-off set-up (pre-training a proxy), so its
+        time says nothing of the points to come and is left out of the estimate."""
         if skipped:
             self.skipped += 1
+        elif set_up:
+            self.set_up += 1
         else:
             self.ran_seconds.append(seconds)
 
@@ -167,6 +207,10 @@ def _minutes(seconds: float) -> str:
 
 
 PROGRESS = Progress()
+
+
+def _log_files() -> list:
+    return [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
 
 
 def log_chain(exc: BaseException, out_dir=None) -> None:
@@ -182,27 +226,45 @@ def log_chain(exc: BaseException, out_dir=None) -> None:
         (Path(out_dir) / ERROR_FILE).write_text(text)
 
 
-def run_or_record_failure(cfg: DictConfig, out_dir, multirun: bool, overrides: str = "") -> Path | None:
+def cause_line(exc: BaseException) -> str:
+    """One line for a run that failed: its message's first line and, when the message holds
+    a traceback (a rank's), that traceback's last line, the error itself."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    head = lines[0] if isinstance(exc, (ConfigError, RankFailed)) else f"{type(exc).__name__}: {lines[0]}"
+    if len(lines) > 1 and lines[0].endswith(":") and "Traceback" in str(exc):
+        return f"{head} {lines[-1]}"
+    return head
+
+
+def run_or_record_failure(cfg: DictConfig, out_dir, multirun: bool, overrides: str = "",
+                          cli_overrides: tuple = ()) -> Path | None:
     """In a multirun, a failing point writes ``error.txt`` and the sweep goes on; a single
-    run with an invalid config exits with one line (the traceback goes to the log)."""
+    run that fails exits with one line, its cause (the traceback goes to the run's log and
+    ``error.txt``; ``HYDRA_FULL_ERROR=1`` puts it on the screen). ``overrides``: the
+    point's overrides for the progress line; ``cli_overrides``: the command line's."""
     t0 = time.perf_counter()
     if multirun:
         PROGRESS.begin(overrides)
+    SETUP_DONE.clear()
     try:
-        path = run(cfg, out_dir)
+        path = run(cfg, out_dir, cli_overrides)
         if multirun:
-            PROGRESS.end(time.perf_counter() - t0, skipped=path is None)
+            PROGRESS.end(time.perf_counter() - t0, skipped=path is None, set_up=bool(SETUP_DONE))
         return path
     except Exception as exc:
         if multirun:
-            PROGRESS.end(time.perf_counter() - t0, skipped=False)
+            PROGRESS.end(time.perf_counter() - t0, skipped=False, set_up=bool(SETUP_DONE))
         log_chain(exc, out_dir)
         if not multirun:
-            if isinstance(exc, ConfigError):
-                raise SystemExit(f"error: {exc}")
-            raise
+            if os.environ.get("HYDRA_FULL_ERROR") == "1" and not isinstance(exc, ConfigError):
+                raise
+            where = ", ".join([*_log_files(), str(Path(out_dir) / ERROR_FILE)])
+            raise SystemExit(f"error: {cause_line(exc)}" +
+                             ("" if isinstance(exc, ConfigError) else f" (traceback: {where})"))
         FAILED_POINTS.append(str(out_dir))
-        log.error("point failed (%s); see %s", str(exc).splitlines()[0], Path(out_dir) / ERROR_FILE)
+        log.error("point failed (%s); see %s", cause_line(exc), Path(out_dir) / ERROR_FILE)
         return None
 
 

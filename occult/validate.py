@@ -6,11 +6,12 @@ Composition already refused misspelt keys and wrong types (the schemas in
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 from .config import CONF_DIR, read_conf
 from .ep import import_object, system_config
 from .errors import ConfigError
-from .synthetic import ROUTINGS
+from .tasks.options import check_task
 
 __all__ = ["ConfigError", "available", "validate"]
 
@@ -58,44 +59,20 @@ def _check_model(m) -> None:
         raise ConfigError(f"model.init={m.init!r}: allowed values are ['trained', 'random']")
 
 
-def _check_task(t) -> None:
-    if t.routing not in ROUTINGS:
-        raise ConfigError(f"task.routing={t.routing!r}: allowed values are {list(ROUTINGS)}")
-    if t.zipf_s < 0:
-        raise ConfigError(f"task.zipf_s={t.zipf_s}: must be >= 0 (0 is uniform routing; larger is more skewed)")
-    if t.tokens_per_rank < 0:
-        raise ConfigError(f"task.tokens_per_rank={t.tokens_per_rank}: must be >= 0")
-    if t.iters < 1 or t.warmup < 0:
-        raise ConfigError(f"task.iters={t.iters}, task.warmup={t.warmup}: need iters >= 1, warmup >= 0")
-    if t.whole_model:
-        _at_least("task.batch_size", t.batch_size, 1)
-        _at_least("task.seq_len", t.seq_len, 1)
-    if t.steps < 0 or t.new_tokens < 0 or t.timing_iters < 0:
-        raise ConfigError(f"task.steps={t.steps}, task.new_tokens={t.new_tokens}, task.timing_iters="
-                          f"{t.timing_iters}: must be >= 0")
-    try:
-        import_object(t.entry)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"task.entry={t.entry!r} cannot be imported ({exc}); "
-                          f"available tasks: {available('task')}") from exc
-    if t.name == "placement_study":
-        _check_placement_study(t)
-
-
-def _check_placement_study(t) -> None:
-    """The placement study's knobs: known optimisers, load caps null or >= 1, a positive time limit."""
-    from .placement import OPTIMISERS
-
-    unknown = [o for o in t.optimisers if o not in OPTIMISERS]
-    if not t.optimisers or unknown:
-        raise ConfigError(f"task.optimisers={list(t.optimisers)}: allowed values are {sorted(OPTIMISERS)} "
-                          "(at least one)")
-    bad = [c for c in t.load_caps if c is not None and c < 1.0]
-    if not t.load_caps or bad:
-        raise ConfigError(f"task.load_caps={list(t.load_caps)}: allowed values are null (no cap) or numbers "
-                          ">= 1.0 (max / mean device load), at least one")
-    if t.swap_time_limit_s <= 0:
-        raise ConfigError(f"task.swap_time_limit_s={t.swap_time_limit_s}: must be > 0 seconds")
+def _check_task(task_cfg):
+    """The task's typed options after its checks (:func:`occult.tasks.options.check_task`),
+    with its rank function and set-up importable."""
+    task = check_task(task_cfg)
+    for what in ("entry", "prepare"):
+        path = getattr(task, what)
+        if not path:
+            continue
+        try:
+            import_object(path)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"task={task.name}: its {what} {path!r} cannot be imported ({exc}); "
+                              f"available tasks: {available('task')}") from exc
+    return task
 
 
 def _check_world(c) -> None:
@@ -120,12 +97,43 @@ def _check_world(c) -> None:
                           f"rank; {why}. Clusters that run here: {runnable}")
 
 
-def validate(cfg) -> list[str]:
+def _check_system(cfg, t) -> None:
+    """The top-level system exists, takes its options, has what the task needs and can run
+    the model's shape on the world."""
+    m, P = cfg.model, cfg.cluster.world_size
+    try:
+        system = system_config(cfg.system)
+    except ConfigError as exc:
+        if str(exc).startswith("system."):      # an option of a known system
+            raise
+        raise ConfigError(f"{exc}; available systems: {available('system')}") from exc
+    if t.expert_parallel_only and not system.expert_parallel:
+        raise ConfigError(f"system={system.name} has no expert-parallel dispatcher; task={t.name} needs "
+                          f"one. Expert-parallel systems: {_expert_parallel_systems()}")
+    try:
+        system.check(num_experts=m.num_experts, top_k=m.top_k, world_size=P)
+        system.check_task(t.name)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def _refuse_system(t, overrides: Sequence[str]) -> None:
+    """A task that runs no top-level system refuses one set on the command line."""
+    given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "system"]
+    if given:
+        instead = (" name the systems to compare in task.compare=[...] (conf/system names or "
+                   "{name: ..., option: ...} configs)" if hasattr(t, "compare") else "")
+        raise ConfigError(f"{given[0]}: task={t.name} does not run the top-level system (it is not "
+                          f"hashed either);{instead or ' leave system unset'}")
+
+
+def validate(cfg, overrides: Sequence[str] = ()) -> list[str]:
     """Raises :class:`ConfigError` for impossible runs; returns notes on runs that work but
-    are worth knowing about (the runner logs them)."""
-    m, t, c = cfg.model, cfg.task, cfg.cluster
+    are worth knowing about (the runner logs them). ``overrides``: the run's command-line
+    overrides (a task that runs no top-level ``system`` refuses one)."""
+    m, c = cfg.model, cfg.cluster
     _check_model(m)
-    _check_task(t)
+    t = _check_task(cfg.task)
     P = c.world_size
     _at_least("cluster.world_size", P, 1)
     G = c.devices_per_node
@@ -136,25 +144,15 @@ def validate(cfg) -> list[str]:
     if c.backend not in BACKENDS:
         raise ConfigError(f"cluster.backend={c.backend!r}: allowed values are {list(BACKENDS)}")
     _check_world(c)
-    try:
-        system = system_config(cfg.system)
-    except ConfigError as exc:
-        if str(exc).startswith("system."):      # an option of a known system
-            raise
-        raise ConfigError(f"{exc}; available systems: {available('system')}") from exc
-    if t.expert_parallel_only and not system.expert_parallel:
-        raise ConfigError(f"system={system.name} has no expert-parallel dispatcher; task={t.name} needs "
-                          f"one. Expert-parallel systems: {_expert_parallel_systems()}")
+    if t.uses_system:
+        _check_system(cfg, t)
+    else:
+        _refuse_system(t, overrides)
     if t.whole_model and not m.family:
         raise ConfigError(f"task={t.name} runs a whole model; model={m.name} has no model.family "
                           f"(a layer-only config). Models with a family: {_models_with_family()}")
     if t.whole_model and m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
-    try:
-        system.check(num_experts=m.num_experts, top_k=m.top_k, world_size=P)
-        system.check_task(t.name)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
     notes = []
     cores = os.cpu_count() or 1
     if P > cores and c.backend == "gloo":

@@ -68,3 +68,44 @@ def run_tasks(ctx, jobs: list) -> dict:
     returns {label: number of rows}."""
     from occult.ep import import_object
     return {label: len(import_object(entry)(ctx, cfg_dict)) for label, entry, cfg_dict in jobs}
+
+
+def backend_calls_at_one_rank(ctx):
+    """An all-to-all, an all-gather, a broadcast and a barrier on this (one-rank) world,
+    counting the calls that reached torch.distributed; returns (counts, rows back equal)."""
+    from occult.ep import Exchange
+    from occult.ep.comm import all_gather_rows, all_to_all_rows, broadcast_rows
+    from occult.ep.measure import barrier
+
+    calls = {}
+    for name in ("all_to_all_single", "all_gather_single", "broadcast", "barrier"):
+        real = getattr(dist, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*a, **kw)
+        setattr(dist, name, counted)
+    x = torch.arange(12.0, device=ctx.device).view(4, 3)
+    same = torch.equal(all_to_all_rows(x, [4], [4], ctx.ep, Exchange(0, "dispatch", None)), x)
+    same &= torch.equal(all_gather_rows(x, [4], ctx.ep, Exchange(0, "gather", None)), x)
+    same &= torch.equal(broadcast_rows(x, 0, ctx.ep, Exchange(0, "weights", None), requires_grad=False), x)
+    barrier(ctx.ep)
+    return calls, bool(same)
+
+
+def task_rows(ctx, jobs: list) -> dict:
+    """Each ``(label, entry, cfg_dict)`` of ``jobs``: the task's rank function on this rank;
+    returns {label: its rows}."""
+    from occult.ep import import_object
+    return {label: import_object(entry)(ctx, cfg_dict) for label, entry, cfg_dict in jobs}
+
+
+def timed_tasks(ctx, jobs: list) -> dict:
+    """:func:`run_tasks` with each job's seconds: {label: (rows, seconds)} (for profiling)."""
+    from occult.ep import import_object
+    out = {}
+    for label, entry, cfg_dict in jobs:
+        t0 = time.perf_counter()
+        n = len(import_object(entry)(ctx, cfg_dict))
+        out[label] = (n, time.perf_counter() - t0)
+    return out

@@ -1,15 +1,13 @@
 """Rank functions for tests/test_lossy.py (importable by spawned ranks): each lossy
-system against an independent single-device statement of what it computes.
+system against an independent single-device statement of what it computes, written
+from the rule's definition (no code of the system's own: not its hyperplanes, its
+bucket keys or its keep mask).
 
 Shapes: T tokens of this rank, D hidden, E experts, K top-k, B hash bits.
 """
 import torch
 
-from baselines.adaptive_topk import AdaptiveTopK
-from baselines.lsh import hyperplanes
 from occult.ep import MoELayer, Placement, Recorder, system_config
-from occult.ep.experts import swiglu
-from occult.ep.layer import reference_moe
 from occult.ep.router import TopKRouter
 from occult.parity import LayerCase, make_problem
 
@@ -18,24 +16,62 @@ def _rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def lsh_by_hand(x_TD, ids_TK, w_TK, experts, bits: int, seed: int):
-    """LSH-MoE as its docstring states it, one (expert, hash code) bucket at a time:
-    out_t = sum_k w_tk (f_e(c) + x_t - c), c the mean of the bucket's tokens; bits = 0:
-    every pair its own bucket (c = x_t). [T, D]."""
-    if bits == 0:
-        return reference_moe(x_TD, ids_TK, w_TK, experts)
-    planes_DB = hyperplanes(x_TD.shape[1], bits, 0, seed, x_TD.device, x_TD.dtype)
-    code_T = ((x_TD @ planes_DB > 0).long() * (2 ** torch.arange(bits))).sum(1)
+def lsh_by_hand(x_TD, ids_TK, w_TK, experts, bits: int, seed: int, layer: int = 0):
+    """LSH-MoE from its definition, one bucket at a time: B random hyperplanes per layer
+    (standard normal [D, B], from a generator seeded ``seed * 7919 + layer`` on the host);
+    two pairs of one expert share a bucket when their tokens fall on the same side of every
+    hyperplane; each bucket's centroid c (the mean of its tokens) goes through the expert,
+    and each pair gets f_e(c) plus its residual x_t - c (the error compensation), weighted
+    and summed at home: out_t = sum_k w_tk (f_e(c) + x_t - c). bits = 0: every pair its
+    own bucket, so c = x_t. [T, D]."""
+    T, K = ids_TK.shape
+    if bits:
+        g = torch.Generator(device="cpu").manual_seed(seed * 7919 + layer)
+        planes_DB = torch.randn(x_TD.shape[1], bits, generator=g, device="cpu").to(x_TD)
+        side_TB = (x_TD @ planes_DB > 0).tolist()
+    buckets: dict = {}
+    for t in range(T):
+        for k in range(K):
+            key = (int(ids_TK[t, k]), tuple(side_TB[t])) if bits else (int(ids_TK[t, k]), t, k)
+            buckets.setdefault(key, []).append((t, k))
     out_TD = torch.zeros_like(x_TD)
-    for expert in ids_TK.unique().tolist():
-        for code in code_T.unique().tolist():
-            tok, slot = torch.nonzero((ids_TK == expert) & (code_T == code).unsqueeze(1), as_tuple=True)
-            if tok.numel() == 0:
+    for (expert, *_), pairs in buckets.items():
+        c_D = torch.stack([x_TD[t] for t, _ in pairs]).mean(0)
+        h_F = torch.nn.functional.silu(c_D @ experts["w_gate"][expert]) * (c_D @ experts["w_up"][expert])
+        y_D = h_F @ experts["w_down"][expert]
+        for t, k in pairs:
+            out_TD[t] += w_TK[t, k] * (y_D + x_TD[t] - c_D)
+    return out_TD
+
+
+def adaptive_by_hand(ids_TK, w_TK, threshold: float):
+    """AdapMoE's rule from its definition, token by token: the token's experts by
+    decreasing gate weight (the lower slot first on a tie), taken until they hold at least
+    1 - threshold of its top-k weight (always one); the rest dropped (id -1, weight 0),
+    the kept ones with their own weights. ``(ids_TK, w_TK)``."""
+    ids, w = ids_TK.clone(), w_TK.clone()
+    for t in range(ids.shape[0]):
+        weights = w_TK[t].tolist()
+        target, held, kept = (1.0 - threshold) * sum(weights), 0.0, 0
+        for k in sorted(range(len(weights)), key=lambda k: (-weights[k], k)):
+            if kept and held >= target:
+                ids[t, k], w[t, k] = -1, 0.0
                 continue
-            c_D = x_TD[tok].mean(0)
-            y_D = swiglu(c_D[None], experts["w_gate"][expert], experts["w_up"][expert], experts["w_down"][expert])[0]
-            for t, k in zip(tok.tolist(), slot.tolist()):
-                out_TD[t] += w_TK[t, k] * (y_D + x_TD[t] - c_D)
+            held, kept = held + weights[k], kept + 1
+    return ids, w
+
+
+def moe_by_hand(x_TD, ids_TK, w_TK, experts):
+    """sum_k w_tk f_{e_tk}(x_t) over a token's kept pairs (id >= 0), one pair at a time. [T, D]."""
+    out_TD = torch.zeros_like(x_TD)
+    for t in range(ids_TK.shape[0]):
+        for k in range(ids_TK.shape[1]):
+            e = int(ids_TK[t, k])
+            if e < 0:
+                continue
+            x_D = x_TD[t]
+            h_F = torch.nn.functional.silu(x_D @ experts["w_gate"][e]) * (x_D @ experts["w_up"][e])
+            out_TD[t] += w_TK[t, k] * (h_F @ experts["w_down"][e])
     return out_TD
 
 
@@ -69,8 +105,7 @@ def lossy_checks(ctx, jobs: list) -> list:
             if kind == "lsh":
                 want_TD = lsh_by_hand(x_TD, ids_TK, w_TK, prob.experts, cfg.bits, cfg.seed)
             else:
-                kept_ids, kept_w = AdaptiveTopK(cfg.threshold)(probs_TE, ids_TK, w_TK, layer.dispatcher.placement)
-                want_TD = reference_moe(x_TD, kept_ids, kept_w, prob.experts)
+                want_TD = moe_by_hand(x_TD, *adaptive_by_hand(ids_TK, w_TK, cfg.threshold), prob.experts)
         kept = int((rec.routing[0][1] >= 0).sum())
         dispatch = [ev for ev in rec.comm if ev.phase == "dispatch" and ev.direction == "forward"]
         out.append({"err": _rel(y_TD.detach(), want_TD), "sent_rows": sum(sum(ev.rows_P) for ev in dispatch),

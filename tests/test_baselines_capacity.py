@@ -6,6 +6,7 @@ the load, padding = P*e*C - kept rows, and cf=0 exact. MegaBlocks: block
 padding of the received rows, exact. One world (P=2) runs every case.
 """
 import pytest
+import torch
 
 from occult.dist import launch
 from occult.parity import LayerCase
@@ -121,7 +122,7 @@ def test_megablocks_uses_the_library_only_where_it_can_run():
     assert auto.impl_for(4) == "harness"
     if importlib.util.find_spec("megablocks") is None or not torch.cuda.is_available():
         assert auto.impl_for(1) == "harness"
-        with pytest.raises(ValueError, match="system.library=on: the megablocks library does not import here"):
+        with pytest.raises(ValueError, match="system.library=on: the megablocks library does not run here"):
             system_config(system(MEGA, library="on")).check(num_experts=4, top_k=2, world_size=1)
     with pytest.raises(ValueError, match=r"system.library='maybe': allowed values are \['auto', 'on', 'off'\]"):
         system_config(system(MEGA, library="maybe")).check(num_experts=4, top_k=2, world_size=1)

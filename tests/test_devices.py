@@ -5,7 +5,8 @@ explicitly on ``cpu`` (the rank's device here): a tensor made without the device
 inputs is a meta tensor, which cannot mix with the real ones (an error) or gives wrong
 values (caught by the parity check every run makes first). Run over every system and
 every task (layer, prefill, decode, train, finetune), and shown to catch a system that
-makes one index tensor without ``device=`` (``helpers.HostOnlyDispatcher``).
+makes one index tensor without ``device=`` (``helpers.HostOnlyDispatcher``). A whole model in
+bfloat16 (what a GPU run uses) runs prefill and train in the same world.
 """
 from pathlib import Path
 
@@ -20,29 +21,46 @@ from occult.dist import RankFailed, launch
 from occult.ep import import_object, system_config
 from occult.parity import LayerCase, run_grid
 from occult.placement import save_placements
+from occult.tasks.options import task_config
 from occult.ep import Placement
 
 from systems import system, system_configs
 
-TINY = ["model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16", "model.num_layers=2",
-        "task.batch_size=2", "task.seq_len=16", "task.new_tokens=2", "task.warmup=0", "task.iters=1",
-        "task.tokens_per_rank=64"]
-TASKS = ("layer", "prefill", "decode", "train", "finetune")
+TINY = ["model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16", "model.num_layers=2"]
+TEXT = ["task.batch_size=2", "task.seq_len=16"]
+TIMED = ["task.warmup=0", "task.iters=1"]
+MODELS = {"layer": "layer_small"}
+TASKS = {"layer": [*TIMED, "task.tokens_per_rank=64"], "prefill": [*TEXT, *TIMED],
+         "decode": [*TEXT, *TIMED, "task.new_tokens=2"], "train": [*TEXT, *TIMED],
+         "finetune": [*TEXT, "task.tokens_per_rank=64", "task.steps=1"]}
 P = 2
 
 
-def _cfg(overrides: list, out_dir: Path) -> dict:
-    register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
+def _prepared(cfg, system: dict, out_dir: Path) -> dict:
+    """A composed config with ``system`` (a system's dict) in place of its own, prepared as
+    the runner prepares it, with its task's rank function under ``entry``."""
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    cfg_dict["system"] = {**system, **system_config(system).options()}
     cfg_dict["out_dir_resolved"] = str(out_dir)
-    if cfg.task.prepare:
-        cfg_dict = import_object(cfg.task.prepare)(cfg_dict)
+    task = task_config(cfg.task)
+    if task.prepare:
+        cfg_dict = import_object(task.prepare)(cfg_dict)
+    cfg_dict["entry"] = task.entry
     return cfg_dict
 
 
 def every_job(tmp_path: Path) -> list:
+    """``(label, entry, cfg_dict)`` of every system on every task, its other exact paths on
+    the layer task, and a whole model in bfloat16 (what a GPU run uses): each task composed
+    once, each system's YAML put in its place (composition costs 0.2 s a config)."""
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        composed = {task: compose("config", overrides=[f"task={task}", f"model={MODELS.get(task, 'olmoe_proxy')}",
+                                                         f"cluster=cpu{P}", *TINY, *tiny_task])
+                    for task, tiny_task in TASKS.items()}
+        bf16 = {task: compose("config", overrides=[f"task={task}", "model=olmoe_proxy", f"cluster=cpu{P}", *TINY,
+                                                     *TASKS[task], "model.dtype=bfloat16"])
+                for task in ("prefill", "train")}
     placement_file = tmp_path / "placements.json"
     g = torch.Generator(device="cpu").manual_seed(0)
     save_placements(placement_file, {layer: Placement.from_groups(torch.randperm(64, generator=g).view(P, 32).tolist())
@@ -53,45 +71,52 @@ def every_job(tmp_path: Path) -> list:
     jobs = []
     for name, yaml_cfg in system_configs().items():
         config = system_config(yaml_cfg)
-        expert_parallel = config.expert_parallel
-        extra = [f"system.placement_file={placement_file}"] if name == "occult_placed" else []
+        extra = {"placement_file": str(placement_file)} if name == "occult_placed" else {}
         for task in TASKS:
-            if not expert_parallel and task in ("layer", "finetune"):
+            if not config.expert_parallel and task in ("layer", "finetune"):
                 continue
             if task == "prefill" and name != "naive":
                 # task=decode runs every system's MoE forward on the prompt first; the model's
                 # cache-less prompt forward (task=prefill) differs only outside the MoE layers
                 continue
-            model = "layer_small" if task == "layer" else "olmoe_proxy"
-            overrides = [f"system={name}", f"task={task}", f"model={model}", f"cluster=cpu{P}", *TINY, *extra]
-            if task == "finetune":
-                overrides += ["task.steps=1"]
+            options = dict(extra)
             if name == "occult_prune_sim":    # finetune profiles the router itself; the others need a file
-                overrides += ["system.profile_tokens=64"] if task == "finetune" else \
-                             [f"system.similarity_file={similarity_file}"]
-            out = tmp_path / f"{name}-{task}"
-            cfg_dict = _cfg(overrides, out)
-            jobs.append((f"{name}/{task}", cfg_dict["task"]["entry"], cfg_dict))
+                options.update({"profile_tokens": 64} if task == "finetune" else {"similarity_file": str(similarity_file)})
+            jobs.append((f"{name}/{task}", *_entry_and_cfg(composed[task], {**yaml_cfg, **options},
+                                                           tmp_path / f"{name}-{task}")))
         # a system's other exact paths (e.g. Occult's fused experts step, which auto takes only
         # for a large EPD), on one layer forward and backward
         for path in config.other_exact_paths() if config.is_exact() else []:
-            options = [f"system.{k}={v}" for k, v in path.items()]
-            overrides = [f"system={name}", "task=layer", "model=layer_small", f"cluster=cpu{P}", *TINY, *extra,
-                         *options]
-            cfg_dict = _cfg(overrides, tmp_path / f"{name}-layer-{'-'.join(options)}")
-            jobs.append((f"{name}{path}/layer", cfg_dict["task"]["entry"], cfg_dict))
+            jobs.append((f"{name}{path}/layer", *_entry_and_cfg(composed["layer"], {**yaml_cfg, **extra, **path},
+                                                                tmp_path / f"{name}-layer-{path}")))
+    occult = system_configs()["occult"]
+    for task, cfg in bf16.items():
+        jobs.append((f"occult/{task}/bfloat16", *_entry_and_cfg(cfg, occult, tmp_path / f"occult-{task}-bf16")))
     return jobs
+
+
+def _entry_and_cfg(cfg, system: dict, out_dir: Path) -> tuple:
+    cfg_dict = _prepared(cfg, system, out_dir)
+    return cfg_dict["entry"], cfg_dict
 
 
 @pytest.mark.timeout(600)
 def test_every_system_and_task_keeps_its_tensors_on_the_rank_device(tmp_path):
     jobs = every_job(tmp_path)
     assert len(jobs) >= 30
-    per_rank = launch(import_object("helpers.run_tasks"), P, (jobs,), timeout_s=560, collective_timeout_s=120,
+    per_rank = launch(import_object("helpers.task_rows"), P, (jobs,), timeout_s=560, collective_timeout_s=120,
                       default_device="meta")
     labels = {label for label, *_ in jobs}
     for rank_out in per_rank:
-        assert set(rank_out) == labels and all(n > 0 for n in rank_out.values())
+        assert set(rank_out) == labels and all(rows for rows in rank_out.values())
+    # model.dtype=bfloat16 runs prefill and train; the parity gate stays float64
+    for label in ("occult/prefill/bfloat16", "occult/train/bfloat16"):
+        for rank_out in per_rank:
+            rows = rank_out[label]
+            assert [r["value"] for r in rows if r["metric"] == "parity_checked"] == [1.0], label
+            errors = [r["value"] for r in rows if r["metric"].startswith("parity_") and r["metric"] != "parity_checked"]
+            assert errors and max(errors) <= 1e-9, label
+            assert any(r["metric"] in ("ttft", "time") for r in rows), label
 
 
 @pytest.mark.timeout(120)
@@ -108,22 +133,3 @@ def test_the_meta_world_catches_a_tensor_made_without_its_device():
         assert "helpers.py" in str(err)            # raised where the defect is used
     else:
         assert max(r0[0]["errors"].values()) > 1e-3
-
-
-@pytest.mark.timeout(300)
-def test_whole_model_tasks_run_in_bfloat16(tmp_path):
-    """model.dtype=bfloat16 (what a GPU run uses) runs prefill and train; the parity gate stays float64."""
-    import subprocess
-    import sys
-
-    import pandas as pd
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "run.py", "-m", "system=occult", "model=olmoe_proxy", "task=prefill,train",
-                           "cluster=cpu2", "model.dtype=bfloat16", *TINY, f"hydra.sweep.dir={tmp_path}"],
-                          cwd=root, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    frames = [pd.read_parquet(p) for p in tmp_path.rglob("results.parquet")]
-    assert sorted(df.task.iloc[0] for df in frames) == ["prefill", "train"]
-    for df in frames:
-        assert (df[df.metric == "parity_checked"].value == 1).all()
-        assert (df[df.metric.str.startswith("parity_") & (df.metric != "parity_checked")].value <= 1e-9).all()

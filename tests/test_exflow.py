@@ -187,8 +187,28 @@ def test_placement_artifact_feeds_the_dispatcher(tmp_path):
     assert torch.equal(plain.layer_placement(0, E, P).device_E, Placement.contiguous(E, P).device_E)
     with pytest.raises(ValueError, match="no placement for MoE layer 7"):
         placed.layer_placement(7, E, P)
-    with pytest.raises(ValueError, match="cluster.world_size=4"):
+    with pytest.raises(ValueError, match="places 8 experts on 2 devices; this run has model.num_experts=8 on "
+                                         "world size 4"):
         placed.layer_placement(0, E, 4)
+
+
+def test_a_file_that_is_not_a_placement_is_refused_at_validation(tmp_path):
+    """ExFlow shares the placement-file option of Occult's placed systems: a file that is
+    not a placement artifact fails validation in one line, before any rank starts (it
+    used to start the ranks and end in a traceback)."""
+    from hydra import compose, initialize_config_dir
+
+    from occult.config import CONF_DIR, register
+    from occult.validate import ConfigError, validate
+
+    bad = tmp_path / "notes.json"
+    bad.write_text('{"hello": 1}')
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["system=exflow", f"system.placement_file={bad}"])
+    with pytest.raises(ConfigError, match=r"system.placement_file=.*notes.json.* is not a placement artifact") as err:
+        validate(cfg)
+    assert "\n" not in str(err.value)
 
 
 def test_single_process_parity_with_an_artifact_placement(tmp_path):

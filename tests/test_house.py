@@ -183,8 +183,7 @@ def test_resume_skips_the_same_config_and_refuses_another(tmp_path):
     assert set(pd.read_parquet(out / "results.parquet").routing) == {"zipf"}
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("overrides, line", [
+BAD_INPUT = [
     (["model.topk=2"], "error: model.topk: unknown key; allowed: name, num_experts, top_k"),
     (["model.top_k=two"], "error: model.top_k='two': Value 'two' of type 'str' could not be converted to Integer"),
     (["system=nonesuch"], "error: system=nonesuch: no such option; available: adaptive_topk, allgather, deepspeed, exflow"),
@@ -193,13 +192,48 @@ def test_resume_skips_the_same_config_and_refuses_another(tmp_path):
     (["system=occult_prune_score", "system.budget=8"],
      "error: system.budget=8 is above cluster.world_size=4: a token can use at most 4 devices, so this budget "
      "would not prune anything"),
-])
-def test_bad_input_is_one_line_without_a_traceback(overrides, line, tmp_path):
-    proc = run_py(*overrides, f"hydra.run.dir={tmp_path}", env=plain_env(), check=False, timeout=120)
-    assert proc.returncode != 0
-    err = proc.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(line), proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr
+    (["task=bench", "task.backward=false"], "error: task.backward: task=bench does not read it; its fields: "),
+    (["task=bench", "system=occult"], "error: system=occult: task=bench does not run the top-level system"),
+    # a sweep whose prefill point cannot take decode's option: refused before any point runs
+    (["-m", "task=decode,prefill", "model=olmoe_proxy", "task.new_tokens=4"],
+     "error: task.new_tokens: task=prefill does not read it; its fields: "),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory):
+    """Every bad input's run.py at once (each is a process start, 3 s of CPU; the cases do
+    not share anything), and the first one once more through the ``occult-bench`` command
+    from another folder: {index: CompletedProcess-like (returncode, stdout, stderr)}."""
+    folder = tmp_path_factory.mktemp("bad")
+    procs = {}
+    for i, (overrides, _) in enumerate(BAD_INPUT):
+        where = ["hydra.sweep.dir=" if "-m" in overrides else "hydra.run.dir=", str(folder / str(i))]
+        procs[i] = subprocess.Popen([sys.executable, "run.py", *overrides, "".join(where)], cwd=ROOT,
+                                    env=plain_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    console = Path(sys.executable).parent / "occult-bench"
+    procs["console"] = subprocess.Popen([str(console), *BAD_INPUT[0][0]], cwd=folder, env=plain_env(),
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return {key: (p.wait(timeout=200), *p.communicate()) for key, p in procs.items()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)))
+def test_bad_input_is_one_line_without_a_traceback(case, bad_input_runs):
+    """One line naming the field (and the allowed values), no traceback. A sweep's points
+    are each composed strictly before any runs (the first, sweep-wide composition skips a
+    swept group's options, which are the points' own)."""
+    overrides, line = BAD_INPUT[case]
+    code, out, err = bad_input_runs[case]
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), err
+    assert "Traceback" not in out + err and "running system" not in out + err
+
+
+def test_the_occult_bench_command_is_run_py(bad_input_runs):
+    code, out, err = bad_input_runs["console"]
+    assert code == 2 and err.strip().startswith(BAD_INPUT[0][1]), err
 
 
 @pytest.mark.timeout(300)
@@ -257,3 +291,77 @@ def test_pretraining_is_bit_reproducible_whatever_the_callers_threads(tmp_path):
     finally:
         torch.set_num_threads(before)
     assert digests[0] == digests[1]
+
+
+@pytest.mark.timeout(120)
+def test_a_run_time_failure_ends_in_one_line_with_its_cause(tmp_path):
+    """A run that fails in its ranks (here a system that forgets its gate weights, stopped by
+    the parity gate) ends with one line, the cause, last on the screen; no Hydra report,
+    no traceback there; the traceback is in the run's log and error.txt."""
+    (tmp_path / "conf" / "system").mkdir(parents=True)
+    (tmp_path / "conf" / "system" / "weightless.yaml").write_text(
+        "name: weightless\n_target_: helpers.WeightlessDispatcher\n")
+    run_dir = tmp_path / "run"
+    proc = run_py(f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "system=weightless", "cluster=cpu1", *SMALL,
+                  f"hydra.run.dir={run_dir}", env=plain_env(PYTHONPATH=str(ROOT / "tests")), check=False)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rank 0 of 1 failed: AssertionError: system=weightless disagrees with the "
+                           "single-device reference"), proc.stderr
+    assert f"(traceback: {run_dir / 'run.log'}" in last
+    assert "Traceback" not in proc.stdout + proc.stderr and "Error executing job" not in proc.stdout + proc.stderr
+    assert "Traceback" in (run_dir / "run.log").read_text() and "Traceback" in (run_dir / "error.txt").read_text()
+
+
+def test_a_missing_proxy_is_announced_before_it_is_pre_trained(tmp_path, monkeypatch, caplog):
+    """One line before pre-training starts: which checkpoint is missing, its cache key, the
+    expected time (from the cached proxies of that model), how to keep a trained router."""
+    import json
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from occult.tasks import model as model_task
+    from occult.tasks import pretrain
+
+    cache = tmp_path / "proxies"
+    monkeypatch.setattr(pretrain, "proxy_dir", lambda cfg: cache / f"{cfg.model.name}-0123456789")
+    (cache / "olmoe_proxy-aaaaaaaaaa").mkdir(parents=True)       # a proxy of another top-k, trained here
+    (cache / "olmoe_proxy-aaaaaaaaaa" / "occult.json").write_text(json.dumps({"wall_s": 300.0, "steps": 400}))
+    said = []
+
+    def fake_pretrain(cfg, out, progress=True):
+        said.append([r.getMessage() for r in caplog.records])      # what was said before training began
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(pretrain, "pretrain", fake_pretrain)
+    cfg = _cfg("task=prefill", "model=olmoe_proxy", "model.top_k=2")
+    with caplog.at_level(logging.INFO, logger="occult"):
+        cfg_dict = model_task.prepare(OmegaConf.to_container(cfg, resolve=True))
+    (line,) = [m for m in said[0] if m.startswith("pre-training")]
+    assert "model=olmoe_proxy (top_k=2, E=64)" in line and "cache key olmoe_proxy-0123456789" in line
+    assert "expected about 5 min here" in line and "experiment=fig3_lcc" in line
+    assert cfg_dict["setup_done"] == ["pre-trained olmoe_proxy"]
+    again = model_task.prepare(OmegaConf.to_container(cfg, resolve=True))      # cached now: no set-up
+    assert "setup_done" not in again and len(said) == 1
+
+
+def test_the_time_left_leaves_out_points_that_ran_one_off_set_up(monkeypatch, caplog):
+    """The first point of `make run` pre-trains a proxy (minutes, once); the estimate
+    after it must not count that as every point's cost."""
+    import logging
+
+    from occult.runner import SWEEP_POINTS_ENV, Progress
+
+    monkeypatch.setenv(SWEEP_POINTS_ENV, "10")
+    progress = Progress()
+    with caplog.at_level(logging.INFO, logger="occult"):
+        progress.begin("a")
+        progress.end(600.0, skipped=False, set_up=True)        # pre-training and the point
+        progress.begin("b")
+        progress.end(30.0, skipped=False)
+        progress.begin("c")
+    lines = [r.getMessage() for r in caplog.records]
+    assert "estimated after a point without one-off set-up" in lines[1]
+    assert lines[2].endswith("(2 done, about 4.0 min left)")               # 8 points x 30 s

@@ -36,15 +36,17 @@ def assert_two_rank_runs(got: dict, systems: set, launcher: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_torchrun_single_run_and_multirun(tmp_path):
+    """A single run, then a multirun whose occult point is that run's folder: rank 0 sees it
+    done and every rank skips it (resume), naive runs."""
     torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "run.py"]
-    run(torchrun + ["system=occult", *SMALL, f"out_dir={tmp_path / 'single'}"])
-    assert_two_rank_runs(frames(tmp_path / "single"), {"occult"}, "torchrun")
-    proc = run(torchrun + ["-m", "system=naive,occult", *SMALL, f"hydra.sweep.dir={tmp_path / 'sweep'}"])
-    assert_two_rank_runs(frames(tmp_path / "sweep"), {"naive", "occult"}, "torchrun")
-    assert (tmp_path / "sweep" / "report.md").is_file()
-    # the same sweep again: rank 0 sees both points done and every rank skips them
-    again = run(torchrun + ["-m", "system=naive,occult", *SMALL, f"hydra.sweep.dir={tmp_path / 'sweep'}"])
-    assert (again.stdout + again.stderr).count("results of this config exist") == 2
+    sweep = tmp_path / "sweep"
+    run(torchrun + ["system=occult", *SMALL, f"out_dir={sweep / 'occult'}"])
+    assert_two_rank_runs(frames(sweep), {"occult"}, "torchrun")
+    proc = run(torchrun + ["-m", "system=naive,occult", *SMALL, f"hydra.sweep.dir={sweep}",
+                           "hydra.sweep.subdir=${system.name}"])
+    assert_two_rank_runs(frames(sweep), {"naive", "occult"}, "torchrun")
+    assert (sweep / "report.md").is_file()
+    assert (proc.stdout + proc.stderr).count("results of this config exist") == 1     # rank 0 says it skips occult
 
 
 @pytest.mark.timeout(300)

@@ -112,3 +112,26 @@ def test_adaptive_topk_takes_any_system_that_takes_dropped_pairs():
     config = system_config(pruned)
     config.check(num_experts=E, top_k=2, world_size=P)
     assert config.base_config().budget == 1 and not config.is_exact()
+
+
+def test_adaptive_keep_follows_its_definition():
+    """Which experts a token keeps, against the rule written out token by token
+    (lossy_helpers.adaptive_by_hand) and against examples worked by hand."""
+    import torch
+
+    from baselines.adaptive_topk import adaptive_keep
+    from lossy_helpers import adaptive_by_hand
+
+    w_TK = torch.tensor([[0.1, 0.5, 0.3, 0.1],        # 0.5, then 0.3 reach 0.75: slots 1 and 2
+                         [0.25, 0.25, 0.25, 0.25],    # three of four reach 0.75; a tie keeps the lower slots
+                         [0.9, 0.05, 0.03, 0.02]],    # one is enough
+                        dtype=torch.float64)
+    want = [[False, True, True, False], [True, True, True, False], [True, False, False, False]]
+    assert adaptive_keep(w_TK, 0.25).tolist() == want
+    assert adaptive_keep(w_TK, 0.0).all()                      # threshold 0 keeps every expert
+    g = torch.Generator(device="cpu").manual_seed(3)
+    for threshold in (0.05, 0.2, 0.5, 0.9):
+        w = torch.rand(200, 6, generator=g, dtype=torch.float64)
+        ids = torch.arange(6).repeat(200, 1)
+        kept_ids, _ = adaptive_by_hand(ids, w, threshold)
+        assert torch.equal(adaptive_keep(w, threshold), kept_ids >= 0), threshold

@@ -18,6 +18,7 @@ from occult.config import register
 from occult.dist import launch
 from occult.ep import Placement, ct_all, devices_per_token, system_config
 from occult.parity import run_model_grid
+from occult.placement import files as placement_files
 from occult.placement import save_placements
 from occult.validate import ConfigError, validate
 from variant_helpers import finetune_changes, pruned_routing
@@ -83,8 +84,8 @@ def test_occult_placed_reads_its_artifact_once(tmp_path, monkeypatch):
     path = tmp_path / "pl.json"
     save_placements(path, placements, {"optimiser": "test"})
     reads = []
-    real = variants.load_placements
-    monkeypatch.setattr(variants, "load_placements", lambda p: reads.append(p) or real(p))
+    real = placement_files.load_placements
+    monkeypatch.setattr(placement_files, "load_placements", lambda p: reads.append(p) or real(p))
     def placed(path):
         return system_config({"name": "occult_placed", "_target_": PLACED["occult_placed"],
                               "placement_file": str(path), "kernels": "torch"})
@@ -246,3 +247,47 @@ def test_finetune_task_end_to_end(tmp_path):
     assert (run_dir / "profile_router_logits.npz").is_file()
     table = accuracy_table(run_dir)
     assert table.arm.tolist() == ["similarity_1"] and table.ct_all.item() <= 1.0 + 1e-9
+
+
+# ---------------------------------------------------------------------------
+# the run's parity gate for the wrapped and the pruned systems
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_a_placed_adaptive_base_and_a_pruned_system_are_gated_with_their_placement(tmp_path):
+    """adaptive_topk over occult_placed runs the layer with the artifact's placement (C_T
+    differs from the contiguous run, the parity gate passes on that placement); a pruned
+    run is gated with its identity switch (prune=false): parity_checked 1, not 0."""
+    import helpers
+    from occult.tasks.options import task_config
+
+    P, E = 2, 8
+    path = tmp_path / "pl.json"
+    save_placements(path, {0: Placement.from_groups([[0, 2, 4, 6], [1, 3, 5, 7]])}, {"test": True})
+    base = ["system=adaptive_topk", "system.threshold=0.0", "system.base=occult.collab.variants.OccultPlacedDispatcher",
+            "task=layer", "model=layer_small", f"model.num_experts={E}", "model.top_k=2", f"cluster=cpu{P}",
+            "model.hidden_size=16", "model.expert_ffn_size=8", "task.tokens_per_rank=64", "task.routing=router",
+            "task.warmup=0", "task.iters=1"]
+    configs = {"placed": cfg_with(*base, f"+system.base_options.placement_file={path}"),
+               "contiguous": cfg_with(*base[:2], "system.base=occult", *base[3:]),
+               "pruned": cfg_with(*base[3:], "system=occult_prune_score", "system.budget=1")}
+    validate(configs["placed"])
+    placement = system_config(configs["placed"].system).layer_placement(0, E, P)
+    assert placement.groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    jobs = []
+    for label, cfg in configs.items():
+        cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+        jobs.append((label, task_config(cfg.task).entry, cfg_dict))
+    rows = launch(helpers.task_rows, P, (jobs,), timeout_s=200)[0]
+
+    def values(label, metric):
+        return [r["value"] for r in rows[label] if r["metric"] == metric and r["rank"] in (-1, 0)]
+
+    # the same tokens and router (the run's seed): the placement alone moves C_T
+    assert values("placed", "tokens") == values("contiguous", "tokens")
+    assert values("placed", "ct_all") != values("contiguous", "ct_all")
+    for label in configs:
+        assert values(label, "parity_checked") == [1.0], label
+    assert values("pruned", "loss_off_parity") == [1.0]
+    assert max(values("pruned", "ct_all")) <= 1.0 + 1e-12          # budget 1: one device per token

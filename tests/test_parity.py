@@ -16,24 +16,23 @@ from occult.ep import system_config
 from occult.parity import TOLERANCE, LayerCase, disagreements, run_grid
 
 from systems import exact_systems
-EXPERTS = (8, 60, 64)
 TOPK = (1, 2, 6, 8)
 NODES = {1: 0, 2: 1, 3: 0, 4: 2}     # world size -> ranks per node (cluster.devices_per_node; 0: one node)
-# (world size, experts) left out for test time: 60 experts run at P = 2 and 3 (30 and 20
-# local), 64 at P = 1 and 4 (64 and 16 local), 8 at every P
-SKIPPED = {(4, 60), (2, 64)}
-# (world size, top-k) left out likewise: K = 6 runs at P = 1, 2 and 3; P = 4 keeps K = 1, 2, 8
-SKIPPED_TOPK = {(4, 6)}
+# the expert counts of each world size, for test time: 8 (a few local experts) at every P
+# but 3, 60 (not a power of two) at P = 2 and 3 (30 and 20 local), 64 at P = 1 and 4 (64 and
+# 16 local)
+EXPERTS = {1: (8, 64), 2: (8, 60), 3: (60,), 4: (8, 64)}
+# (world size, experts, top-k) left out likewise: K = 6 runs at P = 1, 2 (E = 8) and 3;
+# E = 64 at P = 4 keeps K = 1 and 8, E = 8 there K = 1, 2, 8
+SKIPPED_TOPK = {(4, 8, 6), (4, 64, 2), (4, 64, 6), (2, 60, 6)}
 
 
 def cases_for(P: int) -> list:
     cases = []
-    for E in EXPERTS:
-        if E % P or (P, E) in SKIPPED:
-            continue
+    for E in EXPERTS[P]:
         e = E // P
         for K in TOPK:
-            if K > E or (P, K) in SKIPPED_TOPK:
+            if K > E or (P, E, K) in SKIPPED_TOPK:
                 continue
             T = (5, 9, 4, 7)[:P] if P > 1 else (11,)
             cases.append(LayerCase(E, K, T, routing="uniform", seed=E * 10 + K))

@@ -12,7 +12,7 @@ from occult.routing_traces import load_trace, trace_topk
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16", "model.num_layers=2",
-        "task.batch_size=2", "task.seq_len=16", "task.new_tokens=3", "task.warmup=0", "task.iters=1"]
+        "task.batch_size=2", "task.seq_len=16", "task.warmup=0", "task.iters=1"]
 
 
 def run_py(*args):
@@ -73,19 +73,29 @@ def test_bench_turns_reverse_the_order_every_other_sample():
 @pytest.mark.timeout(300)
 def test_bench_times_one_layer_of_each_system_in_one_world(tmp_path):
     """task=bench: naive and occult on one layer in one world, parity first, the samples'
-    layer times forward and backward and the activation memory of each, the replay's rows."""
+    layer times forward and backward and the activation memory of each, the replay's rows.
+    A compared system takes options (occult's kernels, naive's payload): its rows show them,
+    and two configs of one system (naive, naive with a bf16 payload) are two runs."""
     run_py("task=bench", "model=layer_small", "task.tokens_per_rank=32", "cluster=cpu2", "task.warmup=0",
-           "task.iters=2", f"out_dir={tmp_path}")
+           "task.iters=2", "task.compare=[naive,{name:occult,kernels:epd},{name:naive,payload:bf16}]",
+           f"out_dir={tmp_path}")
     df = pd.read_parquet(tmp_path / "results.parquet")
-    assert set(df.system) == {"naive", "occult"} and set(df.task) == {"bench"}
-    for system in ("naive", "occult"):
-        mine = df[df.system == system]
-        assert (mine[mine.metric == "parity_checked"].value == 1).all()
+    # the compared systems' rows, and the run's own (its wall time: no top-level system ran)
+    assert set(df.system) == {"naive", "occult", ""} and set(df.task) == {"bench"}
+    assert set(df[df.system == ""].metric) == {"run_wall_time"}
+    runs = df[df.system != ""].groupby("run_id")
+    assert runs.ngroups == 3 and all(run_id.startswith("adhoc/bench/") for run_id in runs.groups)
+    options = {o for o in df[df.system != ""].system_options}
+    assert any('"kernels": "epd"' in o for o in options) and any('"payload": "bf16"' in o for o in options)
+    for run_id, mine in runs:
+        assert (mine[mine.metric == "parity_checked"].value == 1).all(), run_id
         layer = mine[(mine.metric == "time") & (mine.phase == "layer")]
         assert set(zip(layer["pass"], layer["sample"], layer["rank"])) == \
             {(p, s, r) for p in ("forward", "backward", "forward+backward") for s in (0, 1) for r in (0, 1)}
         assert (mine[mine.metric == "activation_bytes"].value > 0).all()
         assert (mine[mine.metric == "raw_a2a_time"].value > 0).all()
+    bf16 = df[df.system_options.str.contains('"payload": "bf16"')]
+    assert (bf16[bf16.metric == "loss_off_parity"].value == 1).all()     # the lossy one, gated with its loss off
 
 
 @pytest.mark.timeout(300)

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from dataclasses import dataclass
 
 from baselines.naive import NaiveDispatcher
-from occult.collab.variants import PlacementFileConfig
+from occult.placement.files import PlacementFileConfig
 from occult.ep import Recorder
 from occult.ep.accounting import recording
 from occult.models.ep_block import EPMoEBlock

@@ -51,7 +51,10 @@ class EPGroup:
     """The expert-parallel group a dispatcher talks to (static, per process).
 
     ``devices_per_node``: ranks per node (``cluster.devices_per_node``; 0: every rank in
-    one node). Ranks ``[n * G, (n + 1) * G)`` form node n.
+    one node). Ranks ``[n * G, (n + 1) * G)`` form node n. ``single_rank_collectives``: in a
+    world of one rank, run the backend's collectives anyway (the rank sends to itself
+    through NCCL or gloo) instead of local copies (``cluster.single_rank_collectives``:
+    ``make gpu-check`` on one GPU, where NCCL refuses two ranks).
     """
 
     rank: int = 0
@@ -59,6 +62,7 @@ class EPGroup:
     group: Optional[object] = None   # a torch.distributed ProcessGroup, None = default / single process
     device: str = "cpu"              # where this rank computes: "cpu" (gloo) or "cuda:<local rank>" (NCCL)
     devices_per_node: int = 0
+    single_rank_collectives: bool = False
 
     def __post_init__(self) -> None:
         G = self.devices_per_node
@@ -77,6 +81,11 @@ class EPGroup:
 
     def node_of(self, rank: int) -> int:
         return rank // self.per_node
+
+    @property
+    def local_only(self) -> bool:
+        """Whether collectives are local copies: one rank, unless ``single_rank_collectives``."""
+        return self.world_size == 1 and not self.single_rank_collectives
 
 
 @dataclass(frozen=True)
@@ -128,7 +137,7 @@ def _start(ep: EPGroup, where: Exchange) -> tuple[float, float]:
 def _a2a(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup) -> torch.Tensor:
     x_RD = x_RD.contiguous()
     out = x_RD.new_empty((sum(recv_P),) + tuple(x_RD.shape[1:]))
-    if ep.world_size == 1:
+    if ep.local_only:
         out.copy_(x_RD)
     else:
         dist.all_to_all_single(out, x_RD, list(recv_P), list(send_P), group=ep.group)
@@ -150,7 +159,7 @@ def _exchange(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where
 def _raw_seconds(x_RD: torch.Tensor, out: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup) -> float:
     """The same exchange again as a plain ``all_to_all_single`` (its output buffer made
     before the clock), after a barrier: what the collective costs without the harness."""
-    if ep.world_size == 1:
+    if ep.local_only:
         return 0.0
     scratch = torch.empty_like(out)
     barrier(ep)
@@ -240,7 +249,7 @@ def _gather(x_RD: torch.Tensor, counts_P: list, ep: EPGroup, where: Exchange, di
     P, mine = ep.world_size, counts_P[ep.rank]
     wait, t0 = _start(ep, where)
     x_RD = x_RD.contiguous()
-    if P == 1:
+    if ep.local_only:
         out = x_RD.clone()
     elif len(set(counts_P)) == 1:
         out = x_RD.new_empty((sum(counts_P),) + tuple(x_RD.shape[1:]))
@@ -256,7 +265,7 @@ def _scatter_sum(x_RD: torch.Tensor, counts_P: list, ep: EPGroup, where: Exchang
     """Block j of every rank's rows, summed on rank j: [sum(counts_P), ...] -> [counts_P[rank], ...]."""
     wait, t0 = _start(ep, where)
     x_RD = x_RD.contiguous()
-    if ep.world_size == 1:
+    if ep.local_only:
         out = x_RD.clone()
     else:
         out = x_RD.new_empty((counts_P[ep.rank],) + tuple(x_RD.shape[1:]))
@@ -318,7 +327,7 @@ def _broadcast(buf_RD: torch.Tensor, src: int, ep: EPGroup, where: Exchange, dir
     P = ep.world_size
     wait, t0 = _start(ep, where)
     out = buf_RD.contiguous().clone()
-    if P > 1:
+    if not ep.local_only:
         dist.broadcast(out, src=src, group=ep.group)     # src: a global rank (the group spans the world)
     rows_P = [out.shape[0] if ep.rank == src else 0] * P
     _log(where, direction, BROADCAST, rows_P, out, t0, wait)
@@ -330,7 +339,7 @@ def _reduce(x_RD: torch.Tensor, dst: int, ep: EPGroup, where: Exchange, directio
     P = ep.world_size
     wait, t0 = _start(ep, where)
     out = x_RD.contiguous().clone()
-    if P > 1:
+    if not ep.local_only:
         dist.reduce(out, dst=dst, group=ep.group)
     rows_P = [out.shape[0] if j == dst else 0 for j in range(P)]
     _log(where, direction, REDUCE, rows_P, out, t0, wait)
@@ -405,7 +414,7 @@ def start_all_to_all(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup
     x_RD = x_RD.detach().contiguous()
     out = x_RD.new_empty((sum(recv_P),) + tuple(x_RD.shape[1:]))
     work = None
-    if ep.world_size == 1:
+    if ep.local_only:
         out.copy_(x_RD)
     else:
         work = dist.all_to_all_single(out, x_RD, recv_P, send_P, group=ep.group, async_op=True)

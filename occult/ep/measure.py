@@ -4,7 +4,9 @@ iterations started together, and the slowest rank.
 Every timed thing uses this module: the recorder's spans and the accounted collectives
 (:mod:`occult.ep.accounting`, :mod:`occult.ep.comm`), the tasks' iterations, the
 benchmark and the loopback calibration. A step lasts as long as its slowest rank, so
-over-all-ranks figures reduce with :func:`slowest`.
+over-all-ranks figures reduce with :func:`slowest`; the other reductions over ranks the
+tasks make after their timed work are here too (:func:`sum_over_ranks`,
+:func:`mean_over_ranks`, :func:`gather_objects`).
 
 The clock is the host's monotonic performance counter. On a CPU rank the host clock
 sees the work as it happens (``CLOCK = "host"``). On a CUDA rank kernels run
@@ -76,8 +78,8 @@ def between(start, end) -> float:
 
 def barrier(ep) -> float:
     """Waits until every rank of ``ep`` (an :class:`occult.ep.comm.EPGroup`) gets here;
-    returns the seconds waited (0 in a world of one)."""
-    if ep.world_size <= 1:
+    returns the seconds waited (0 in a world of one, unless it runs its collectives)."""
+    if ep.world_size <= 1 and not getattr(ep, "single_rank_collectives", False):
         return 0.0
     t0 = clock()
     dist.barrier(group=ep.group)
@@ -110,6 +112,31 @@ def slowest(ep, seconds: Union[float, Sequence[float]]) -> Union[float, list]:
     if ep.world_size > 1 and t.numel():
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ep.group)
     return t.tolist() if many else t.item()
+
+
+def sum_over_ranks(ep, t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed element-wise over the ranks of ``ep``, in place (an all-reduce; ``t``
+    itself in a world of one)."""
+    if ep.world_size > 1 and t.numel():
+        dist.all_reduce(t, group=ep.group)
+    return t
+
+
+def mean_over_ranks(ep, values: Sequence[float]) -> list:
+    """Element-wise mean over the ranks of ``ep`` of a list of floats (every rank has the
+    same length)."""
+    t = sum_over_ranks(ep, torch.tensor(list(values), dtype=torch.float64, device=ep.device))
+    return (t / ep.world_size).tolist()
+
+
+def gather_objects(ep, obj) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank (``[obj]`` in a world
+    of one): results and routing gathered after the timed work, never inside it."""
+    if ep.world_size == 1:
+        return [obj]
+    out = [None] * ep.world_size
+    dist.all_gather_object(out, obj, group=ep.group)
+    return out
 
 
 def iterations(ep, warmup: int, iters: int, before=None) -> Iterator[int]:

@@ -13,11 +13,12 @@ values that travel exactly, e.g. Occult's gate weights):
 * ``fp8``: D float8 (e4m3) values ``x / s`` with s = max|x| / 448, then s and the
   metadata as float32 bytes: D + 4 + 4X bytes.
 
-:func:`occult.ep.comm.all_to_all_rows` with a ``payload`` runs an accounted all-to-all
-of the encoded rows and decodes them; its backward sends the gradients in the same
-payload (the metadata's gradients exactly). A system's payload options are
-:class:`occult.ep.system.PayloadConfig`. This module is the codec only: it imports
-nothing of the project. Shapes: R rows, D hidden values, X metadata values, W wire columns.
+:func:`occult.ep.comm.all_to_all_rows` with a ``payload`` other than ``fp32`` runs an
+accounted all-to-all of the rows encoded here (:func:`encode`) and decodes them
+(:func:`decode`); its backward sends the gradients in the same payload (the metadata's
+gradients exactly). A system's payload options are :class:`occult.ep.system.PayloadConfig`.
+This module is the codec only: it imports nothing of the project. Shapes: R rows, D hidden
+values, X metadata values, W wire columns.
 """
 from __future__ import annotations
 

@@ -48,3 +48,9 @@ class EPMoEBlock(nn.Module):
             with span(rec, self.layer_idx, "shared_experts"):
                 out_TD = out_TD + self.family.shared_output(self, x_TD)
         return out_TD.reshape(shape)
+
+
+def ep_placements(model: nn.Module) -> dict:
+    """``{layer: Placement}`` of the model's expert-parallel blocks (empty for a model
+    without them, e.g. the no-EP reference)."""
+    return {m.layer_idx: m.dispatcher.placement for m in model.modules() if isinstance(m, EPMoEBlock)}

@@ -3,10 +3,13 @@ routing, same tokens.
 
     python run.py experiment=bench                     # (make bench) naive vs occult, layers and models
     python run.py experiment=bench model=bench_comm task.iters=3 task.compare=[naive,occult,megablocks]
+    python run.py task=bench 'task.compare=[naive,{name:occult,kernels:epd},{name:naive,payload:int8}]'
 
 ``task=bench`` (:func:`run_rank`): one MoE layer (``model``'s E, K, D, F;
-``task.tokens_per_rank`` tokens per rank, ``task.routing``) for each system named in
-``task.compare`` (conf/system names; the first is the baseline of the ratios).
+``task.tokens_per_rank`` tokens per rank, ``task.routing``) for each system of
+``task.compare``: a conf/system name, or ``{name: <conf/system name>, <option>: <value>}``
+(the first is the baseline of the ratios). These tasks run no top-level ``system``: one
+given on the command line is refused, and it is not hashed.
 ``task=bench_model`` (:func:`model_rank`): a whole model (a trained proxy) on
 ``task.workload`` (prefill, decode or train, the tasks' own iterations,
 :mod:`occult.tasks.model`), one rank model per system from the same weights. Every
@@ -16,12 +19,14 @@ them alike. After the timed layer iterations, more iterations replay each collec
 right after itself as a plain ``all_to_all_single`` of the same split sizes
 (``raw_a2a_time`` beside ``a2a_time_paired``): the harness's own overhead; for whole models the same replay gives
 what the bytes alone can buy at the proxy's width (:func:`model_replay_rows`). Each system's
-rows carry its own ``system``, ``impl``, ``system_options`` and ``run_id``;
+rows carry its own ``system``, ``impl``, ``system_options`` and ``run_id`` (the run's
+config digest and a digest of the system's config: two configs of one system are two runs);
 :mod:`analysis.figures.bench` turns them into ratios.
 """
 from __future__ import annotations
 
 import copy
+import json
 
 from omegaconf import OmegaConf
 
@@ -29,49 +34,76 @@ from ..ep import Recorder, system_config
 from ..ep.measure import barrier, iterations, stopwatch
 from ..errors import ConfigError
 from ..memory import saved_activation_bytes
-from ..records import row
+from ..records import config_hash, row
 from .common import comm_rows, parity_gate, routing_rows
 from .layer import build_layer, make_inputs, time_iteration
+from .options import task_config
+
+
+def compared_system(entry, index: int) -> dict:
+    """One entry of ``task.compare`` as a system's dict: a conf/system name, or a dict with
+    ``name`` (the conf/system file it starts from) and options on top of it."""
+    from hydra import compose
+    from hydra.errors import MissingConfigException
+
+    where = f"task.compare[{index}]"
+    if isinstance(entry, str):
+        name, options = entry, {}
+    elif isinstance(entry, dict) and isinstance(entry.get("name"), str):
+        name, options = entry["name"], {k: v for k, v in entry.items() if k != "name"}
+    else:
+        raise ConfigError(f"{where}={entry!r}: each compared system is a conf/system name or "
+                          "{name: <conf/system name>, <option>: <value>, ...}")
+    try:
+        composed = compose(config_name="config", overrides=[f"system={name}"])
+    except MissingConfigException as exc:
+        raise ConfigError(f"{where}: no system {name!r}; available: {exc.options}") from exc
+    system = {**OmegaConf.to_container(composed.system, resolve=True), **options}
+    try:
+        system_config(system)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    return system
 
 
 def prepare(cfg_dict: dict) -> dict:
     """In the launching process: the typed config of every system in ``task.compare``
-    (composed from its conf/system file), checked for this run's shape; for a whole model
-    also its checkpoint (pre-training a missing proxy)."""
-    from hydra import compose
-    from hydra.errors import MissingConfigException
-
-    names = list(cfg_dict["task"]["compare"])
-    if not names:
-        raise ConfigError("task.compare is empty: name the systems to compare (conf/system names), "
-                          "e.g. task.compare=[naive,occult]")
+    (composed from its conf/system file, with the entry's options on top), checked for this
+    run's shape and task; for a whole model also its checkpoint (pre-training a missing
+    proxy)."""
+    entries = list(cfg_dict["task"]["compare"])
+    if not entries:
+        raise ConfigError("task.compare is empty: name the systems to compare (conf/system names or "
+                          "{name: ..., option: ...} configs), e.g. task.compare=[naive,occult]")
     m, P = cfg_dict["model"], cfg_dict["cluster"]["world_size"]
+    task = task_config(cfg_dict["task"])
     systems = []
-    for name in names:
-        try:
-            composed = compose(config_name="config", overrides=[f"system={name}"])
-        except MissingConfigException as exc:
-            raise ConfigError(f"task.compare: no system {name!r}; available: {exc.options}") from exc
-        config = system_config(composed.system)
-        if not config.expert_parallel and not cfg_dict["task"]["whole_model"]:
-            raise ConfigError(f"task.compare: system {name!r} has no expert-parallel dispatcher "
+    for i, entry in enumerate(entries):
+        system = compared_system(entry, i)
+        config = system_config(system)
+        if not config.expert_parallel and not task.whole_model:
+            raise ConfigError(f"task.compare[{i}]: system {config.name!r} has no expert-parallel dispatcher "
                               "(task=bench times one MoE layer; task=bench_model times whole models)")
         try:
             config.check(num_experts=m["num_experts"], top_k=m["top_k"], world_size=P)
+            config.check_task(task.name)
         except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
-        systems.append(OmegaConf.to_container(composed.system, resolve=True))
+            raise ConfigError(f"task.compare[{i}]: {exc}") from exc
+        systems.append(system)
     cfg_dict["compare_systems"] = systems
-    if cfg_dict["task"]["whole_model"]:
+    if task.whole_model:
         from .model import prepare as model_prepare
         cfg_dict = model_prepare(cfg_dict)
     return cfg_dict
 
 
 def _tagged(rows: list, config, base_id: str, world_size: int) -> list:
-    """``rows`` with the compared system's context columns."""
+    """``rows`` with the compared system's context columns; its ``run_id`` ends in a digest
+    of the run's config and the system's own (two configs of one system stay two runs)."""
+    digest = config_hash({"run": base_id, "system": json.loads(config.options_json()), "name": config.name,
+                          "target": config._target_})
     tag = {"system": config.name, "impl": config.impl_for(world_size), "system_options": config.options_json(),
-           "run_id": f"{base_id}/{config.name}"}
+           "run_id": f"{base_id}/{config.name}/{digest}"}
     return [{**r, **tag} for r in rows]
 
 
@@ -81,10 +113,9 @@ def run_rank(ctx, cfg_dict: dict) -> list:
     t = OmegaConf.create(cfg_dict["task"])
     layers, recs, rows = [], [], []
     first = OmegaConf.create(cfg_dict)
-    m = first.model
     for config in systems:
         layer = build_layer(ctx, first, config)
-        rows.append(parity_gate(ctx, config, m.num_experts, m.top_k, t.routing, layer.dispatcher.placement)
+        rows.append(parity_gate(ctx, first, config, t.routing, layer.dispatcher.placement)
                     if t.check_parity else [])
         layers.append(layer)
         recs.append(Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives))
@@ -103,7 +134,7 @@ def run_rank(ctx, cfg_dict: dict) -> list:
         if ctx.rank == 0:
             kind = "warm-up" if sample < 0 else f"sample {sample + 1}/{t.iters}"
             print(f"  [{first.model.name}] {kind}: {', '.join(took[i] for i in sorted(took))}", flush=True)
-    base_id = f"{first.experiment_name}/bench/{first.model.name}/{first.cluster.name}"
+    base_id = f"{first.experiment_name}/bench/{first.model.name}/{first.cluster.name}/{cfg_dict.get('run_digest', '')}"
     out = []
     replayed = replay_rows(ctx, layers, recs, (x_TD, ids_TK, grad_TD), t.iters) if ctx.world_size > 1 else None
     for i, config in enumerate(systems):
@@ -174,14 +205,12 @@ def model_rank(ctx, cfg_dict: dict) -> list:
 
     cfg = OmegaConf.create(cfg_dict)
     t, m = cfg.task, cfg.model
-    if t.workload not in WORKLOADS:
-        raise ConfigError(f"task.workload={t.workload!r}: allowed values are {sorted(WORKLOADS)}")
     systems = [system_config(s) for s in cfg_dict["compare_systems"]]
     tok = get_tokenizer(cfg.pretrain.tokenizer_vocab, corpus=cfg.pretrain.corpus)
     base = base_model(cfg, m.vocab_size or tok.vocab_size, cfg.get("checkpoint"), device=ctx.device)
     works, recs, rows = [], [], []
     for config in systems:
-        rows.append(parity_gate(ctx, config, m.num_experts, m.top_k, "router")
+        rows.append(parity_gate(ctx, cfg, config, "router")
                     if t.check_parity and config.expert_parallel else [])
         model = make_rank_model(ctx, copy.deepcopy(base), cfg, system=config)
         works.append(WORKLOADS[t.workload](ctx, cfg, tok, model))
@@ -192,7 +221,8 @@ def model_rank(ctx, cfg_dict: dict) -> list:
             barrier(ctx.ep)
             rows[i] += works[i].step(recs[i], sample)
     replayed = model_replay_rows(ctx, works, t.iters) if ctx.world_size > 1 else [[] for _ in works]
-    base_id = f"{cfg.experiment_name}/bench_model/{m.name}/{t.workload}/{cfg.cluster.name}"
+    base_id = (f"{cfg.experiment_name}/bench_model/{m.name}/{t.workload}/{cfg.cluster.name}/"
+               f"{cfg_dict.get('run_digest', '')}")
     out = []
     quiet = OmegaConf.merge(cfg, {"task": {"save_routing": False}})
     for i, config in enumerate(systems):

@@ -4,26 +4,30 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ..ep import Placement, Recorder, ct_all, ct_remote, intra_ratio, system_config
+from ..ep.measure import gather_objects, sum_over_ranks
 from ..parity import TOLERANCE, LayerCase, check_layer, disagreements
 from ..records import row
 
 
-def parity_gate(ctx, system, num_experts: int, top_k: int, routing: str,
-                placement: Optional[Placement] = None) -> list:
+def parity_gate(ctx, cfg, system, routing: str, placement: Optional[Placement] = None) -> list:
     """Checks ``system`` (a system config or its dict) against the single-device reference
-    on a small float64 problem with the run's E, K, P and placement, to the tolerance of
-    the system's precision (:func:`occult.parity.disagreements`); raises if it disagrees.
-    A lossy system is checked with its loss switched off (``lossless_options``; row
-    ``loss_off_parity``); one whose loss cannot be switched off is not checked.
+    on a small float64 problem with the run's E, K, P and placement (default: the system's
+    placement of the model's first MoE layer), ``cfg.task.parity_tokens`` tokens per rank
+    drawn from the run's seed, to the tolerance of the system's precision
+    (:func:`occult.parity.disagreements`); raises if it disagrees. A lossy system is checked
+    with its loss switched off (``lossless_options``; row ``loss_off_parity``); one whose
+    loss cannot be switched off is not checked (``parity_checked`` 0).
 
     Returns result rows with the relative errors.
     """
     config = system_config(system)
-    case = LayerCase(num_experts, top_k, tuple([32] * ctx.world_size),
-                     routing="router" if routing == "router" else "uniform", seed=12345)
+    m = cfg.model
+    case = LayerCase(m.num_experts, m.top_k, tuple([cfg.task.parity_tokens] * ctx.world_size),
+                     routing="router" if routing == "router" else "uniform", seed=cfg.seed)
+    if placement is None:
+        placement = config.layer_placement(m.get("first_k_dense", 0), m.num_experts, ctx.world_size)
     rows = []
     if not config.is_exact():
         off = config.lossless_options()
@@ -100,11 +104,7 @@ def routing_rows(ctx, rec: Recorder, placement) -> list:
     for layer, pieces in sorted(per_layer.items()):
         ids = torch.cat(pieces).cpu()          # device-to-host: the routing, after timing
         pl = (placement.get(layer) if isinstance(placement, dict) else placement).to("cpu")
-        gathered = [None] * ctx.world_size
-        if ctx.world_size > 1:
-            dist.all_gather_object(gathered, ids, group=ctx.ep.group)
-        else:
-            gathered = [ids]
+        gathered = gather_objects(ctx.ep, ids)
         home = torch.cat([torch.full((g.shape[0],), r, dtype=torch.long, device="cpu")
                           for r, g in enumerate(gathered)])
         all_ids = torch.cat(gathered)
@@ -121,9 +121,7 @@ def routing_rows(ctx, rec: Recorder, placement) -> list:
             if ev.layer == layer and ev.phase in ("dispatch", "combine"):
                 sent[(ev.phase, ev.direction)] = sent.get((ev.phase, ev.direction), 0) + sum(ev.rows_P)
         for (phase, direction), n in sorted(sent.items()):
-            total = torch.tensor([n, ids.shape[0]], dtype=torch.long, device=ctx.device)
-            if ctx.world_size > 1:
-                dist.all_reduce(total, group=ctx.ep.group)
+            total = sum_over_ranks(ctx.ep, torch.tensor([n, ids.shape[0]], dtype=torch.long, device=ctx.device))
             if ctx.rank == 0 and total[1] > 0:
                 out.append(row("rows_per_token", total[0].item() / total[1].item(), "rows/token",
                                layer=layer, rank=-1, phase=phase, direction=direction))

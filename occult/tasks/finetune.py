@@ -34,27 +34,23 @@ Shapes: B sequences per rank, S sequence length, V vocabulary, T tokens, K top-k
 """
 from __future__ import annotations
 
-import math
-
-import torch
-import torch.distributed as dist
 import torch.nn.functional as nnf
 from omegaconf import OmegaConf
 from torch import nn
 from tqdm import tqdm
 
-from ..data.batches import batch_iterator, eval_batches, num_eval_windows, token_ids
-from ..ep import Recorder, devices_per_token
-from ..ep.accounting import recording
-from ..ep.measure import clock, iterations, slowest
-from ..models.ep_block import EPMoEBlock
+from ..data.batches import batch_iterator, token_ids
+from ..ep import Recorder
+from ..ep.measure import clock, iterations, mean_over_ranks, slowest
+from ..models.ep_block import EPMoEBlock, ep_placements
 from ..models.families import family_of
-from ..models.runtime import expert_parameters, sync_gradients
+from ..models.runtime import sync_gradients
 from ..records import row
 from . import model as model_task
+from .training import adamw, clip_global_grad_norm, evaluate_rank_model, finetuning_schedule, rank_eval_ids
 
-EVAL_WINDOWS_PER_BATCH = 8       # held-out windows per forward call
 GRAD_CLIP = 1.0
+FINETUNE_WEIGHT_DECAY = 0.0
 
 
 def prepare(cfg_dict: dict) -> dict:
@@ -86,42 +82,13 @@ def freeze_non_moe(model: nn.Module, family) -> list:
     return trainable
 
 
-def clip_global_grad_norm(ctx, model: nn.Module, max_norm: float) -> float:
-    """Clips all gradients to a global L2 norm over every rank's weights (replicated
-    weights counted once, each rank's experts added up); the same scale on every rank,
-    so replicas stay identical. Returns the norm before clipping."""
-    experts = expert_parameters(model)
-    grads = [(id(p) in experts, p.grad) for p in model.parameters() if p.grad is not None]
-    sq = torch.zeros(2, dtype=torch.float64, device=ctx.device)
-    for is_expert, g in grads:
-        sq[int(is_expert)] += g.detach().double().pow(2).sum()
-    if ctx.world_size > 1:
-        expert_sq = sq[1:].clone()
-        dist.all_reduce(expert_sq, group=ctx.ep.group)
-        sq[1] = expert_sq[0]
-    norm = float(sq.sum().sqrt())
-    if norm > max_norm:
-        for _, g in grads:
-            g.mul_(max_norm / (norm + 1e-12))
-    return norm
-
-
-def lr_factor(step: int, steps: int) -> float:
-    """Linear warm-up over the first tenth of the steps, then cosine decay to 0.1."""
-    warm = max(1, steps // 10)
-    if step < warm:
-        return (step + 1) / warm
-    progress = (step - warm) / max(1, steps - warm)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def finetune(ctx, model: nn.Module, family, batches, steps: int, lr: float, progress: bool = False) -> list:
     """``steps`` AdamW steps on the MoE weights (the rest frozen); returns this rank's
     training losses. Every rank must run the same number of steps."""
     trainable = freeze_non_moe(model, family)
     model.train()
-    opt = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps))
+    # fine-tuning's recipe (occult.tasks.training: why it differs from pre-training's)
+    opt, sched = adamw(trainable, lr, FINETUNE_WEIGHT_DECAY, finetuning_schedule(steps))
     losses = []
     bar = tqdm(range(steps), desc="finetune", disable=not progress, mininterval=5.0)
     for _ in bar:
@@ -140,65 +107,6 @@ def finetune(ctx, model: nn.Module, family, batches, steps: int, lr: float, prog
     return losses
 
 
-def rank_eval_ids(ctx, ids_N: torch.Tensor, seq_len: int, tokens_per_rank: int) -> torch.Tensor:
-    """This rank's block of held-out windows: every rank gets the same number of windows
-    (at most ``tokens_per_rank // seq_len``), so all ranks make the same forward calls."""
-    per_rank = num_eval_windows(ids_N.numel(), seq_len) // ctx.world_size
-    if tokens_per_rank > 0:
-        per_rank = min(per_rank, max(1, tokens_per_rank // seq_len))
-    if per_rank < 1:
-        raise ValueError(f"task.seq_len={seq_len}: the held-out split has too few tokens for one "
-                         f"window per rank on {ctx.world_size} ranks")
-    start = ctx.rank * per_rank * seq_len
-    return ids_N[start:start + per_rank * seq_len + 1]
-
-
-@torch.no_grad()
-def evaluate_rank_model(ctx, model: nn.Module, ids_N: torch.Tensor, seq_len: int, placements: dict) -> dict:
-    """Held-out loss / perplexity / next-token accuracy over all ranks' windows of
-    ``ids_N`` (this rank's block), through the rank model (pruning active), and C_T per
-    MoE layer from the recorded routing. ``placements``: {layer: Placement}."""
-    model.eval()
-    rec = Recorder(rank=ctx.rank)
-    total, correct, n = 0.0, 0, 0
-    t0 = clock()
-    with recording(rec):
-        for x_BS, y_BS in eval_batches(ids_N, EVAL_WINDOWS_PER_BATCH, seq_len):
-            x_BS, y_BS = x_BS.to(ctx.device), y_BS.to(ctx.device)
-            logits_BSV = model(input_ids=x_BS).logits
-            total += nnf.cross_entropy(logits_BSV.flatten(0, 1).float(), y_BS.flatten(), reduction="sum").item()
-            correct += (logits_BSV.argmax(-1) == y_BS).sum().item()
-            n += y_BS.numel()
-    seconds = slowest(ctx.ep, clock() - t0)
-    remote = torch.tensor([remote_bytes(rec, ctx.rank)], dtype=torch.float64, device=ctx.device)
-    if ctx.world_size > 1:
-        dist.all_reduce(remote, group=ctx.ep.group)
-    layers = sorted({layer for layer, *_ in rec.routing})
-    # per layer: distinct devices (all), distinct remote devices, tokens
-    sums = torch.zeros(len(layers) + 1, 3, dtype=torch.float64, device=ctx.device)
-    sums[-1] = torch.tensor([total, correct, n], dtype=torch.float64, device=ctx.device)
-    for i, layer in enumerate(layers):
-        ids_TK = torch.cat([ids for li, ids, *_ in rec.routing if li == layer])
-        hits_T = devices_per_token(ids_TK, placements[layer])
-        home_local_T = (placements[layer].device_E[ids_TK] == ctx.rank).any(dim=1)
-        sums[i] = torch.tensor([float(hits_T.sum()), float((hits_T - home_local_T.long()).sum()),
-                                float(ids_TK.shape[0])], dtype=torch.float64, device=ctx.device)
-    if ctx.world_size > 1:
-        dist.all_reduce(sums, group=ctx.ep.group)
-    total, correct, n = sums[-1].tolist()
-    loss = total / max(n, 1.0)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": correct / max(n, 1.0),
-            "tokens": int(n), "remote_bytes": float(remote.item()), "seconds": seconds,
-            "ct_all": {layer: float(sums[i, 0] / sums[i, 2]) for i, layer in enumerate(layers)},
-            "ct_remote": {layer: float(sums[i, 1] / sums[i, 2]) for i, layer in enumerate(layers)}}
-
-
-def remote_bytes(rec: Recorder, rank: int) -> float:
-    """Bytes this rank sent to other ranks in the recorder's collectives (as they crossed:
-    compressed payloads at their wire size)."""
-    return float(sum(n * ev.row_bytes for ev in rec.comm for dst, n in enumerate(ev.rows_P) if dst != rank))
-
-
 def timing_probe(ctx, cfg, tok, model) -> list:
     """``task.timing_iters`` timed prefill forwards of the fine-tuned model (after one
     warm-up; :class:`occult.tasks.model.PrefillWorkload`, ``task.batch_size`` sequences per
@@ -212,21 +120,7 @@ def timing_probe(ctx, cfg, tok, model) -> list:
     rows = []
     for sample in iterations(ctx.ep, 1, cfg.task.timing_iters, before=rec.clear):
         rows += work.step(rec, sample)
-    return rows + comm_rows(rec) + routing_rows(ctx, rec, _placements(model))
-
-
-def _placements(model: nn.Module) -> dict:
-    """{layer: Placement} of the model's expert-parallel blocks."""
-    return {m.layer_idx: m.dispatcher.placement for m in model.modules() if isinstance(m, EPMoEBlock)}
-
-
-def _mean_over_ranks(ctx, values: list) -> list:
-    """Element-wise mean of a list of floats over ranks (every rank has the same length)."""
-    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
-    if ctx.world_size > 1 and t.numel():
-        dist.all_reduce(t, group=ctx.ep.group)
-        t /= ctx.world_size
-    return t.tolist()
+    return rows + comm_rows(rec) + routing_rows(ctx, rec, ep_placements(model))
 
 
 def eval_corpora(cfg) -> list:
@@ -240,7 +134,7 @@ def run_rank(ctx, cfg_dict: dict) -> list:
     t = cfg.task
     fam = family_of(cfg.model.family)
     model, tok, rows = model_task.setup(ctx, cfg)
-    placements = _placements(model)
+    placements = ep_placements(model)
     if not placements:
         raise ValueError(f"task=finetune runs on an expert-parallel system; system={cfg.system.name} has no "
                          "expert-parallel MoE blocks")
@@ -249,7 +143,7 @@ def run_rank(ctx, cfg_dict: dict) -> list:
     t0 = clock()
     losses = finetune(ctx, model, fam, batches, t.steps, t.lr, progress=ctx.rank == 0) if t.steps else []
     took = slowest(ctx.ep, clock() - t0)
-    losses = _mean_over_ranks(ctx, losses)
+    losses = mean_over_ranks(ctx.ep, losses)
     results = {}
     for corpus in eval_corpora(cfg):
         ids_N = rank_eval_ids(ctx, token_ids(corpus, "validation", tok), t.seq_len, t.tokens_per_rank)

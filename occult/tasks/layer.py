@@ -71,12 +71,12 @@ def make_inputs(ctx, cfg):
 def run_rank(ctx, cfg_dict: dict) -> list:
     """One rank's part of task=layer; returns its result rows."""
     cfg = OmegaConf.create(cfg_dict)
-    m, t = cfg.model, cfg.task
+    t = cfg.task
     rows = []
     layer = build_layer(ctx, cfg)
     placement = layer.dispatcher.placement
     if t.check_parity:
-        rows += parity_gate(ctx, cfg.system, m.num_experts, m.top_k, t.routing, placement)
+        rows += parity_gate(ctx, cfg, cfg.system, t.routing, placement)
     if t.calibrate and ctx.world_size > 1:
         # this world's loopback under the load the timed iterations will see
         from .calibrate import calibration_rows

@@ -28,13 +28,16 @@ from .common import comm_rows, parity_gate, routing_rows, timing_rows
 
 def prepare(cfg_dict: dict) -> dict:
     """In the launching process: the checkpoint every rank loads (pre-training a proxy
-    first when its cached checkpoint is missing)."""
+    first when its cached checkpoint is missing, which ``setup_done`` then records: the
+    sweep's time-left estimate leaves such a point out)."""
     cfg = OmegaConf.create(cfg_dict)
     m = cfg.model
     if m.path:
         cfg_dict["checkpoint"] = str(m.path)
     elif m.proxy and m.init == "trained":
-        from .pretrain import ensure_trained
+        from .pretrain import ensure_trained, is_trained
+        if not is_trained(cfg):
+            cfg_dict.setdefault("setup_done", []).append(f"pre-trained {m.name}")
         cfg_dict["checkpoint"] = str(ensure_trained(cfg))
     else:
         cfg_dict["checkpoint"] = None
@@ -47,7 +50,7 @@ def setup(ctx, cfg):
     vocab = cfg.model.vocab_size or tok.vocab_size
     rows = []
     if cfg.task.check_parity and system_config(cfg.system).expert_parallel:
-        rows += parity_gate(ctx, cfg.system, cfg.model.num_experts, cfg.model.top_k, "router")
+        rows += parity_gate(ctx, cfg, cfg.system, "router")
     model = make_rank_model(ctx, base_model(cfg, vocab, cfg.get("checkpoint"), device=ctx.device), cfg)
     return model.eval(), tok, rows
 
@@ -76,8 +79,8 @@ def _finish(ctx, cfg, rec: Recorder, rows: list, model) -> list:
 def _placements(cfg, ctx, model) -> dict:
     """{layer: placement} of the model's EP blocks (contiguous for a model without them)."""
     from ..ep import Placement
-    from ..models.ep_block import EPMoEBlock
-    found = {m.layer_idx: m.dispatcher.placement for m in model.modules() if isinstance(m, EPMoEBlock)}
+    from ..models.ep_block import ep_placements
+    found = ep_placements(model)
     contiguous = Placement.contiguous(cfg.model.num_experts, ctx.world_size)
     return {layer: found.get(layer, contiguous) for layer in range(cfg.model.num_layers)}
 

@@ -72,7 +72,7 @@ def collect_traces(ctx, cfg) -> tuple[dict, dict, torch.Tensor]:
     """Profiling and held-out routing of the rank model: ``(profile_ids, held_ids,
     held_home)``, {layer: [T, K]} over all ranks, and the held-out tokens' home ranks."""
     from ..data.batches import batch_iterator, eval_batches, token_ids
-    from .finetune import rank_eval_ids
+    from .training import rank_eval_ids
     from .model import setup
 
     t = cfg.task

@@ -21,22 +21,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
+import logging
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as nnf
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from ..data.batches import batch_iterator, eval_batches, token_ids, unigram_loss
+from ..data.batches import batch_iterator, token_ids, unigram_loss
 from ..data.tokenizer import get_tokenizer
 from ..models.build import hf_config, init_model, moe_blocks, save_checkpoint
 from ..models.families import family_of
 from ..records import row
+from .training import adamw, evaluate, pretraining_schedule
 
 PRETRAIN_VERSION = 1
+PRETRAIN_WEIGHT_DECAY = 0.01
 ROOT = Path(__file__).resolve().parents[2]
 ARCH_FIELDS = ("family", "num_experts", "top_k", "hidden_size", "expert_ffn_size", "norm_topk_prob",
                "num_layers", "num_heads", "num_shared_experts", "shared_expert_ffn_size", "dense_ffn_size",
@@ -77,25 +80,6 @@ def balance_loss(calls, num_experts: int) -> torch.Tensor:
     return torch.stack(losses).mean()
 
 
-@torch.no_grad()
-def evaluate(model, ids_N: torch.Tensor, batch_size: int, seq_len: int, max_batches: int = 0,
-             tap: RouterTap | None = None) -> dict:
-    """Held-out loss (nats/token), perplexity and next-token accuracy over eval windows."""
-    was_training = model.training
-    model.eval()
-    total, correct, n = 0.0, 0, 0
-    for i, (x_BS, y_BS) in enumerate(eval_batches(ids_N, batch_size, seq_len)):
-        if max_batches and i >= max_batches:
-            break
-        logits = model(input_ids=x_BS).logits
-        total += nnf.cross_entropy(logits.flatten(0, 1), y_BS.flatten(), reduction="sum").item()
-        correct += (logits.argmax(-1) == y_BS).sum().item()
-        n += y_BS.numel()
-    model.train(was_training)
-    loss = total / max(n, 1)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "accuracy": correct / max(n, 1), "tokens": n}
-
-
 def expert_load(model, family, ids_N, batch_size: int, seq_len: int, max_batches: int) -> list:
     """Per MoE layer on held-out text: (layer, experts never chosen, busiest load / mean load)."""
     tap = RouterTap(model, family)
@@ -126,10 +110,8 @@ def _pretrain(cfg, out_dir: Path, progress: bool) -> dict:
     tok = get_tokenizer(t.tokenizer_vocab, corpus=t.corpus)
     train_ids, val_ids = token_ids(t.corpus, "train", tok), token_ids(t.corpus, "validation", tok)
     model = init_model(fam, hf_config(m, tok.vocab_size), cfg.seed).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warm = max(1, t.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, t.steps) / t.steps))))
+    # pre-training's recipe (occult.tasks.training: why it differs from fine-tuning's)
+    opt, sched = adamw(model.parameters(), t.lr, PRETRAIN_WEIGHT_DECAY, pretraining_schedule(t.steps))
     tap = RouterTap(model, fam)
     curve, t0 = [], time.perf_counter()
     bar = tqdm(batch_iterator(train_ids, t.batch_size, t.seq_len, cfg.seed, t.steps), total=t.steps,
@@ -180,11 +162,45 @@ def _plot_curve(curve: list, path: Path, name: str) -> None:
     plt.close(fig)
 
 
-def ensure_trained(cfg, progress: bool = True) -> Path:
-    """The cached trained proxy of ``cfg.model`` (pre-trains it first when missing)."""
+def is_trained(cfg) -> bool:
+    """Whether the proxy of ``cfg.model`` trained with ``cfg.pretrain`` is in the cache."""
+    return (proxy_dir(cfg) / "model.safetensors").is_file()
+
+
+def expected_minutes(cfg) -> Optional[float]:
+    """Minutes a pre-training of ``cfg.model`` should take here, from the recorded wall time
+    of the cached proxies of the same model name (scaled to ``pretrain.steps``); None when
+    there is none."""
+    rates = []
+    for meta in sorted(proxy_dir(cfg).parent.glob(f"{cfg.model.name}-*/occult.json")):
+        try:
+            m = json.loads(meta.read_text())
+            rates.append(m["wall_s"] / max(m["steps"], 1))
+        except (OSError, ValueError, KeyError):
+            continue
+    return sum(rates) / len(rates) * cfg.pretrain.steps / 60 if rates else None
+
+
+def announce(cfg) -> str:
+    """The line said before a missing proxy is pre-trained: which checkpoint is missing,
+    its cache key, the expected time, and how to keep a trained router instead."""
     out = proxy_dir(cfg)
-    if (out / "model.safetensors").is_file():
+    minutes = expected_minutes(cfg)
+    took = (f"about {minutes:.0f} min here (from the cached proxies of {cfg.model.name})" if minutes is not None
+            else f"several minutes on 2 cores ({cfg.pretrain.steps} steps)")
+    return (f"pre-training model={cfg.model.name} (top_k={cfg.model.top_k}, E={cfg.model.num_experts}): no trained "
+            f"checkpoint for this architecture and pretrain settings in {out.parent} (cache key {out.name}); "
+            f"expected {took}; it is cached for every later run. To keep the trained proxy and take fewer "
+            f"experts per token from its router instead, save its routing (task.save_routing=true) and take "
+            f"the top-k of the router logits, as experiment=fig3_lcc does")
+
+
+def ensure_trained(cfg, progress: bool = True) -> Path:
+    """The cached trained proxy of ``cfg.model`` (pre-trains it first when missing, saying so)."""
+    out = proxy_dir(cfg)
+    if is_trained(cfg):
         return out
+    logging.getLogger("occult").warning(announce(cfg))
     tmp = out.with_name(out.name + ".partial")
     pretrain(cfg, tmp, progress)
     tmp.rename(out)

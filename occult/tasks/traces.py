@@ -7,18 +7,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-import torch.distributed as dist
 
 from ..ep import Recorder
+from ..ep.measure import gather_objects
 from ..routing_traces import LOGITS_FILE, ROUTING_FILE
-
-
-def _gather(ctx, obj):
-    if ctx.world_size == 1:
-        return [obj]
-    out = [None] * ctx.world_size
-    dist.all_gather_object(out, obj, group=ctx.ep.group)
-    return out
 
 
 def write_trace(ctx, rec: Recorder, out_dir: Path) -> None:
@@ -30,7 +22,7 @@ def write_trace(ctx, rec: Recorder, out_dir: Path) -> None:
     local = {layer: tuple(None if parts[0][j] is None else torch.cat([p[j] for p in parts]).float().cpu()
                           if j else torch.cat([p[0] for p in parts]).cpu() for j in range(3))
              for layer, parts in per_layer.items()}
-    gathered = _gather(ctx, local)
+    gathered = gather_objects(ctx.ep, local)
     if ctx.rank != 0:
         return
     frames, logits_arrays = [], {}

@@ -1,0 +1,387 @@
+"""Each task's typed options: the fields it reads, and no others.
+
+A task is one YAML file under ``conf/task`` (its ``name``, its ``schema`` and the defaults
+it changes) and one dataclass here, a subclass of :class:`TaskConf`. The dataclass is the
+task's declaration: its fields are the options the task reads (a field it does not read
+is not there, so setting one fails when the config is composed: ``task.backward: task=bench
+does not read it; its fields: ...``), and its class attributes say what the runner needs
+to know (the rank function, the set-up in the launching process, whether it runs a whole
+model, an expert-parallel layer, the top-level ``system``). :func:`occult.config.register`
+stores every task's schema as ``task_schema/<name>``; ``conf/config.yaml`` merges the
+chosen task's schema under its YAML, as it does for systems.
+
+Some fields are read only with some values of others (``task=bench_model`` reads
+``task.new_tokens`` only for ``task.workload=decode``); :meth:`TaskConf.unread` names them,
+and validation refuses one set away from its default.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, List, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from ..errors import ConfigError
+from ..synthetic import ROUTINGS
+
+WORKLOAD_NAMES = ("prefill", "decode", "train")
+
+
+def _at_least(name: str, value, low) -> None:
+    if value < low:
+        raise ConfigError(f"task.{name}={value}: must be at least {low}")
+
+
+@dataclass
+class TaskConf:
+    """The fields every task has: its config name and the dotted path of its schema."""
+
+    name: str = MISSING
+    schema: str = MISSING
+
+    # the rank function (``fn(ctx, cfg_dict) -> rows``) and the set-up run once in the
+    # launching process first (``fn(cfg_dict) -> cfg_dict``; "" for none)
+    entry: ClassVar[str] = ""
+    prepare: ClassVar[str] = ""
+    # the task runs a whole model (needs model.family) / needs an expert-parallel dispatcher
+    whole_model: ClassVar[bool] = False
+    expert_parallel_only: ClassVar[bool] = False
+    # the task runs the top-level ``system`` (False: it compares systems of its own, or runs none)
+    uses_system: ClassVar[bool] = True
+
+    @classmethod
+    def option_names(cls) -> list:
+        """The task's options: every field but ``name`` and ``schema``."""
+        return [f.name for f in dataclasses.fields(cls) if f.name not in ("name", "schema")]
+
+    def check(self) -> None:
+        """Raises :class:`ConfigError` (one line naming the field) for values this task
+        cannot run with. Subclasses add their checks."""
+
+    def unread(self) -> Dict[str, str]:
+        """Fields these values leave unread: name -> why (validation refuses each one that is
+        set away from its default)."""
+        return {}
+
+
+@dataclass
+class Timed(TaskConf):
+    """Warm-up, then timed iterations (every sample kept)."""
+
+    warmup: int = 2
+    iters: int = 5
+
+    def check(self) -> None:
+        super().check()
+        if self.iters < 1 or self.warmup < 0:
+            raise ConfigError(f"task.iters={self.iters}, task.warmup={self.warmup}: need iters >= 1, warmup >= 0")
+
+
+@dataclass
+class Gated(TaskConf):
+    """The parity gate: before anything is timed, the system against the single-device
+    reference on a float64 problem of ``parity_tokens`` tokens per rank, drawn from the run's
+    seed (:func:`occult.tasks.common.parity_gate`)."""
+
+    check_parity: bool = True
+    parity_tokens: int = 32
+
+    def check(self) -> None:
+        super().check()
+        _at_least("parity_tokens", self.parity_tokens, 1)
+
+    def unread(self) -> Dict[str, str]:
+        out = super().unread()
+        if not self.check_parity:
+            out["parity_tokens"] = "read only with task.check_parity=true"
+        return out
+
+
+@dataclass
+class Exchanges(TaskConf):
+    """How the collectives are timed."""
+
+    sync_collectives: bool = False      # barrier before each collective: a2a_time = transfer only
+
+
+@dataclass
+class LayerInputs(TaskConf):
+    """One MoE layer's inputs: seeded tokens and synthetic (or router) routing."""
+
+    tokens_per_rank: int = 512          # T
+    routing: str = "uniform"            # router | uniform | zipf
+    zipf_s: float = 1.2                 # skew of routing=zipf
+
+    def check(self) -> None:
+        super().check()
+        if self.routing not in ROUTINGS:
+            raise ConfigError(f"task.routing={self.routing!r}: allowed values are {list(ROUTINGS)}")
+        if self.zipf_s < 0:
+            raise ConfigError(f"task.zipf_s={self.zipf_s}: must be >= 0 (0 is uniform routing; larger is more skewed)")
+        _at_least("tokens_per_rank", self.tokens_per_rank, 0)
+
+    def unread(self) -> Dict[str, str]:
+        out = super().unread()
+        if self.routing != "zipf":
+            out["zipf_s"] = "read only with task.routing=zipf"
+        return out
+
+
+@dataclass
+class Text(TaskConf):
+    """Sequences of a text corpus (held-out windows, or training batches)."""
+
+    batch_size: int = 4                 # sequences per rank
+    seq_len: int = 128
+    corpus: str = "shakespeare"
+
+    def check(self) -> None:
+        super().check()
+        _at_least("batch_size", self.batch_size, 1)
+        _at_least("seq_len", self.seq_len, 1)
+
+
+@dataclass
+class HeldOut(TaskConf):
+    """Which split of the corpus the task reads."""
+
+    split: str = "validation"
+
+
+# ---------------------------------------------------------------------------
+# the tasks
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class LayerTask(Timed, Gated, Exchanges, LayerInputs):
+    """task=layer: one MoE layer, timed per phase (:mod:`occult.tasks.layer`)."""
+
+    backward: bool = True
+    calibrate: bool = False             # measure the world's loopback first (the cost-model check)
+
+    entry: ClassVar[str] = "occult.tasks.layer.run_rank"
+    expert_parallel_only: ClassVar[bool] = True
+
+
+@dataclass
+class BenchTask(Timed, Gated, Exchanges, LayerInputs):
+    """task=bench: systems side by side on one MoE layer, forward and backward
+    (:mod:`occult.tasks.bench`). ``compare``: the systems, each a conf/system name or a
+    system config (``{name: occult, kernels: epd}``); the first is the baseline."""
+
+    compare: List[Any] = field(default_factory=lambda: ["naive", "occult"])
+
+    entry: ClassVar[str] = "occult.tasks.bench.run_rank"
+    prepare: ClassVar[str] = "occult.tasks.bench.prepare"
+    expert_parallel_only: ClassVar[bool] = True
+    uses_system: ClassVar[bool] = False
+
+
+@dataclass
+class PrefillTask(Timed, Gated, Exchanges, Text, HeldOut):
+    """task=prefill: one forward over the prompts (:mod:`occult.tasks.model`)."""
+
+    save_routing: bool = False          # write routing.parquet (+ router logits)
+
+    entry: ClassVar[str] = "occult.tasks.model.prefill_rank"
+    prepare: ClassVar[str] = "occult.tasks.model.prepare"
+    whole_model: ClassVar[bool] = True
+
+
+@dataclass
+class DecodeTask(PrefillTask):
+    """task=decode: greedy generation with a KV cache after the prompts."""
+
+    new_tokens: int = 16
+
+    entry: ClassVar[str] = "occult.tasks.model.decode_rank"
+
+    def check(self) -> None:
+        super().check()
+        _at_least("new_tokens", self.new_tokens, 0)
+
+
+@dataclass
+class TrainTask(Timed, Gated, Exchanges, Text):
+    """task=train: forward, backward, gradient sync and an AdamW step on training batches
+    of ``corpus`` (its train split)."""
+
+    lr: float = 1e-3
+    save_routing: bool = False
+
+    entry: ClassVar[str] = "occult.tasks.model.train_rank"
+    prepare: ClassVar[str] = "occult.tasks.model.prepare"
+    whole_model: ClassVar[bool] = True
+
+
+@dataclass
+class BenchModelTask(Timed, Gated, Exchanges, Text, HeldOut):
+    """task=bench_model: systems side by side on a whole model's ``workload`` (the
+    prefill, decode or train task's own iterations)."""
+
+    compare: List[Any] = field(default_factory=lambda: ["naive", "occult"])
+    workload: str = "prefill"           # prefill | decode | train
+    new_tokens: int = 16                # workload=decode
+    lr: float = 1e-3                    # workload=train
+
+    entry: ClassVar[str] = "occult.tasks.bench.model_rank"
+    prepare: ClassVar[str] = "occult.tasks.bench.prepare"
+    whole_model: ClassVar[bool] = True
+    uses_system: ClassVar[bool] = False
+
+    def check(self) -> None:
+        super().check()
+        if self.workload not in WORKLOAD_NAMES:
+            raise ConfigError(f"task.workload={self.workload!r}: allowed values are {list(WORKLOAD_NAMES)}")
+        _at_least("new_tokens", self.new_tokens, 0)
+
+    def unread(self) -> Dict[str, str]:
+        out = super().unread()
+        if self.workload != "decode":
+            out["new_tokens"] = "read only with task.workload=decode"
+        if self.workload != "train":
+            out["lr"] = "read only with task.workload=train"
+        else:
+            out["split"] = "not read with task.workload=train (training batches come from the train split)"
+        return out
+
+
+@dataclass
+class FinetuneTask(Gated, Text, HeldOut):
+    """task=finetune: Occult's modified fine-tuning, then held-out evaluation on both
+    domains (:mod:`occult.tasks.finetune`). ``tokens_per_rank``: held-out tokens per rank
+    and domain (0: the whole split); ``timing_iters``: timed prefill forwards after it."""
+
+    steps: int = 100
+    lr: float = 1e-3
+    tokens_per_rank: int = 4096
+    timing_iters: int = 0
+
+    entry: ClassVar[str] = "occult.tasks.finetune.run_rank"
+    prepare: ClassVar[str] = "occult.tasks.finetune.prepare"
+    whole_model: ClassVar[bool] = True
+    expert_parallel_only: ClassVar[bool] = True
+
+    def check(self) -> None:
+        super().check()
+        for name in ("steps", "tokens_per_rank", "timing_iters"):
+            _at_least(name, getattr(self, name), 0)
+
+    def unread(self) -> Dict[str, str]:
+        out = super().unread()
+        if not self.steps:
+            out["lr"] = "not read with task.steps=0 (no fine-tuning)"
+        return out
+
+
+@dataclass
+class PlacementStudyTask(Gated, HeldOut):
+    """task=placement_study: placement optimisers judged on held-out routing
+    (:mod:`occult.tasks.placement_study`). ``tokens_per_rank``: profiling tokens per rank,
+    in windows of ``seq_len`` tokens of ``corpus`` / ``split``."""
+
+    corpus: str = "shakespeare"
+    seq_len: int = 128
+    tokens_per_rank: int = 1024
+    # the optimisers (occult.placement) run at every load cap (null: none; max / mean device
+    # load on the profiling set), and swap_search's time limit per (layer, cap)
+    optimisers: List[str] = field(default_factory=lambda: ["contiguous", "random", "greedy", "swap_search"])
+    load_caps: List[Optional[float]] = field(default_factory=lambda: [None, 1.25, 1.15, 1.1])
+    swap_time_limit_s: float = 10.0
+
+    entry: ClassVar[str] = "occult.tasks.placement_study.run_rank"
+    prepare: ClassVar[str] = "occult.tasks.model.prepare"
+    whole_model: ClassVar[bool] = True
+    expert_parallel_only: ClassVar[bool] = True
+
+    def check(self) -> None:
+        super().check()
+        _at_least("seq_len", self.seq_len, 1)
+        _at_least("tokens_per_rank", self.tokens_per_rank, 1)
+        from ..placement import OPTIMISERS
+
+        unknown = [o for o in self.optimisers if o not in OPTIMISERS]
+        if not self.optimisers or unknown:
+            raise ConfigError(f"task.optimisers={list(self.optimisers)}: allowed values are {sorted(OPTIMISERS)} "
+                              "(at least one)")
+        if not self.load_caps or any(c is not None and c < 1.0 for c in self.load_caps):
+            raise ConfigError(f"task.load_caps={list(self.load_caps)}: allowed values are null (no cap) or "
+                              "numbers >= 1.0 (max / mean device load), at least one")
+        if self.swap_time_limit_s <= 0:
+            raise ConfigError(f"task.swap_time_limit_s={self.swap_time_limit_s}: must be > 0 seconds")
+
+
+@dataclass
+class CalibrateTask(TaskConf):
+    """task=calibrate: this world's loopback and matmul rate, for the cost model
+    (:mod:`occult.tasks.calibrate`): ``iters`` timed calls per message size."""
+
+    iters: int = 8
+
+    entry: ClassVar[str] = "occult.tasks.calibrate.run_rank"
+    uses_system: ClassVar[bool] = False
+
+    def check(self) -> None:
+        super().check()
+        _at_least("iters", self.iters, 3)
+
+
+@dataclass
+class PretrainTask(TaskConf):
+    """task=pretrain: pre-train a CPU proxy (one process; its settings are the top-level
+    ``pretrain`` fields) and cache it (:mod:`occult.tasks.pretrain`)."""
+
+    entry: ClassVar[str] = "occult.tasks.pretrain.run_rank"
+    whole_model: ClassVar[bool] = True
+    uses_system: ClassVar[bool] = False
+
+
+# ---------------------------------------------------------------------------
+# reading a task's config
+# ---------------------------------------------------------------------------
+
+
+def task_schema(path: str) -> type:
+    """The schema class a task YAML's ``schema`` names."""
+    from ..ep.system import import_object
+
+    try:
+        schema = import_object(path)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"task.schema={path!r} cannot be imported ({exc})") from exc
+    if not (isinstance(schema, type) and issubclass(schema, TaskConf)):
+        raise ConfigError(f"task.schema={path!r} is not a task schema (a subclass of occult.tasks.options.TaskConf)")
+    return schema
+
+
+def task_config(task) -> TaskConf:
+    """The typed config of a task from a ``TaskConf``, a dict or a DictConfig."""
+    if isinstance(task, TaskConf):
+        return task
+    d = OmegaConf.to_container(task, resolve=True) if isinstance(task, DictConfig) else dict(task)
+    if not d.get("schema") or d["schema"] == MISSING:
+        raise ConfigError(f"task={d.get('name')}: its YAML needs a 'schema' (the dotted path of its TaskConf)")
+    schema = task_schema(d["schema"])
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), d))
+    except Exception as exc:  # noqa: BLE001 - an OmegaConf error: one line naming the field
+        raise ConfigError(f"task={d.get('name')}: {str(exc).splitlines()[0]}; its fields: "
+                          f"{schema.option_names()}") from exc
+
+
+def check_task(task) -> TaskConf:
+    """The task's typed config, after its checks and the refusal of fields these values
+    leave unread but that are set away from their defaults."""
+    typed = task_config(task)
+    typed.check()
+    defaults = {f.name: f for f in dataclasses.fields(typed)}
+    for name, why in typed.unread().items():
+        f = defaults[name]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        value = getattr(typed, name)
+        if value != default:
+            raise ConfigError(f"task.{name}={value!r}: task={typed.name} does not read it here ({why}); "
+                              f"leave it at {default!r}")
+    return typed
