@@ -20,7 +20,8 @@ register()
 EVERY_FIELD = ["tokens_per_rank", "routing", "zipf_s", "warmup", "iters", "backward", "check_parity",
                "sync_collectives", "calibrate", "batch_size", "seq_len", "new_tokens", "corpus", "split", "lr",
                "steps", "timing_iters", "save_routing", "compare", "workload", "parity_tokens", "entry", "prepare",
-               "expert_parallel_only", "whole_model"]
+               "expert_parallel_only", "whole_model",
+               "optimisers", "load_caps", "swap_time_limit_s"]     # the placement study's knobs, once constants
 
 
 def cfg_with(*overrides):
