@@ -29,7 +29,7 @@ import pandas as pd
 from .load import load_runs
 from .plots import plot_phase_times
 from .sections import Section, builder_name, builder_names, guarded, render, resolve_builders
-from .summary import run_table, task_latency, with_ratios
+from .summary import RUN_KEYS, SYSTEM_KEYS, run_table, task_latency, with_ratios
 
 SHOWN = ["system", "impl", "label", "model", "task", "cluster", "top_k", "routing", "ct_all",
          "dispatch_rows_per_token", "dispatch_remote_MB", "a2a_dispatch_fwd_ms", "a2a_combine_fwd_ms", "layer_fwd_ms",
@@ -44,16 +44,28 @@ def overview(df: pd.DataFrame, out: Path) -> Section:
         return Section("Runs", ["Only calibration runs."])
     table = with_ratios(run_table(runs)).sort_values(["task", "system", "cluster", "top_k"])
     table.to_csv(out / "summary.csv", index=False)
-    tables = [("summary", _filled(table[[c for c in SHOWN if c in table]]))]
+    tables = [("summary", _filled(table[shown_columns(table, SHOWN)]))]
     lat = task_latency(runs)
     if not lat.empty:
-        tables.append(("task_latency", _filled(lat.drop(columns=["run_id", "run_dir", "system_options"]))))
+        tables.append(("task_latency", _filled(lat[[c for c in lat if c not in ("run_id", "run_dir")
+                                                    and (c != "system_options" or lat[c].nunique() > 1)]])))
     text = [f"{table.shape[0]} run(s), {len(df)} result rows; machine: {df.device.iloc[0]}; commit "
             f"{df.git_commit.iloc[0]}.{_wall_time(df)}",
             "Times are medians over timed samples of the slowest rank, in ms, measured on this machine: "
             "compare systems through the ratios, which were measured in the same sweep. C_T, rows and "
             "bytes come from the split sizes that went into the collectives."]
     return Section("Runs", text, tables, plot_phase_times(runs, out))
+
+
+def shown_columns(table: pd.DataFrame, shown: list) -> list:
+    """``shown`` (those ``table`` has), and every other key column in which its rows differ
+    (batch size, options, ...), after the key columns of ``shown``: two rows never look
+    alike in a summary when their runs are not."""
+    keys = [c for c in RUN_KEYS + SYSTEM_KEYS + ["label", "system_options", "init"] if c in table]
+    differ = [c for c in keys if c not in shown and table[c].astype(str).nunique() > 1]
+    cols = [c for c in shown if c in table]
+    last_key = max((i for i, c in enumerate(cols) if c in keys), default=-1)
+    return cols[:last_key + 1] + differ + cols[last_key + 1:]
 
 
 def _filled(table: pd.DataFrame) -> pd.DataFrame:

@@ -18,6 +18,7 @@ from analysis.figures import costmodel_check as check
 from analysis.figures.table1_ct_runtime import linear_fit, pearson
 from analysis.sections import resolve_builders
 from analysis.lcc import component_growth, largest_component, token_counts, topk_from_logits, uniform_lcc_curve
+from analysis.load import load_runs
 from analysis.report import write_report
 from occult.config import register
 from occult.ep import links
@@ -774,3 +775,24 @@ def test_readme_is_a_manual_that_links_every_result():
         if path.is_file():
             text = path.read_text()
             assert text.startswith(f"# Results: {name}") and "| runs' commit |" in text and "Copied" not in text
+
+
+def test_a_summary_shows_every_column_in_which_its_runs_differ(tmp_path):
+    """Two naive prefill runs that differ only in their batch size (as in the default study)
+    are two rows with their batch sizes in the summary, not two rows that look alike."""
+    from analysis.report import overview
+    from occult.records import CONTEXT_COLUMNS, make_frame, row, write_results
+
+    for batch in (4, 8):
+        context = {c: 0 for c in CONTEXT_COLUMNS}
+        context.update(run_id=f"default_study/naive/olmoe_proxy/prefill/cpu4/b{batch}", experiment="default_study",
+                       system="naive", impl="harness", label="", system_options="{}", model="olmoe_proxy",
+                       init="random", task="prefill", cluster="cpu4", routing="router", batch_size=batch,
+                       seq_len=128, tokens_per_rank=-1)
+        rows = [row("ttft", 10.0 * batch, "ms", phase="prefill", sample=0), row("ct_all", 3.0, "devices/token")]
+        write_results(make_frame(rows, context), tmp_path / f"b{batch}")
+    df = load_runs([tmp_path])
+    section = overview(df, tmp_path)
+    summary = dict(section.tables)["summary"]
+    assert "batch_size" in summary and sorted(summary.batch_size) == [4, 8]
+    assert "seq_len" not in summary                   # the same in both: not shown
