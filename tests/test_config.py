@@ -74,3 +74,13 @@ def test_more_ranks_than_cores_is_a_warning(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     notes = validate(cfg_with("cluster=cpu8"))
     assert len(notes) == 1 and "more than this machine's 2 cores" in notes[0]
+
+
+def test_packaging_keeps_test_tools_out_of_the_runtime_and_names_the_command():
+    """pytest is the test extra's (make test installs it), not a run's dependency; the
+    occult-bench command is run.py's entry point."""
+    import tomllib
+    project = tomllib.loads((Path(CONF).parent / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.split("=")[0].startswith("pytest")]
+    assert {d.split("=")[0] for d in project["optional-dependencies"]["test"]} == {"pytest", "pytest-timeout"}
+    assert project["scripts"] == {"occult-bench": "occult.main:console"}

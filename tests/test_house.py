@@ -23,6 +23,8 @@ import helpers
 from test_parity import cases_for, failures_of, parity_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
+# the sweep's report (tested where it is read) left out of sweeps that do not read it: 3 s each
+NO_REPORT = "~hydra.callbacks.sweep_report"
 TINY = ["model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16", "model.num_layers=2",
         "task.batch_size=2", "task.seq_len=16", "task.warmup=0", "task.iters=1"]
 SMALL = ["model.hidden_size=32", "model.expert_ffn_size=16", "task.tokens_per_rank=32", "task.warmup=0",
@@ -239,7 +241,7 @@ def test_the_occult_bench_command_is_run_py(bad_input_runs):
 @pytest.mark.timeout(300)
 def test_a_sweep_shows_points_done_and_time_left(tmp_path):
     proc = run_py("-m", "system=naive", "cluster=cpu1", "model.top_k=1,2", *SMALL,
-                  f"hydra.sweep.dir={tmp_path / 'sweep'}")
+                  f"hydra.sweep.dir={tmp_path / 'sweep'}", NO_REPORT)
     log = proc.stdout + proc.stderr
     assert "[point 1/2]" in log and "[point 2/2]" in log and "(1 done, about" in log and "left)" in log
 

@@ -11,6 +11,8 @@ from analysis.load import load_runs
 from occult.records import CONTEXT_COLUMNS, make_frame, row, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
+# the sweep's report (tested where it is read) left out of sweeps that do not read it: 3 s each
+NO_REPORT = "~hydra.callbacks.sweep_report"
 SMALL = ["model.hidden_size=32", "model.expert_ffn_size=16", "task.tokens_per_rank=32", "task.warmup=0",
          "task.iters=2"]
 
@@ -44,7 +46,7 @@ def test_multirun_two_points_and_load_runs(tmp_path):
 @pytest.mark.timeout(300)
 def test_failed_point_keeps_others_and_resumes(tmp_path):
     sweep = tmp_path / "sweep"
-    args = ["-m", "cluster=cpu1", "model.top_k=2,100", *SMALL, f"hydra.sweep.dir={sweep}"]
+    args = ["-m", "cluster=cpu1", "model.top_k=2,100", *SMALL, f"hydra.sweep.dir={sweep}", NO_REPORT]
     first = run_py(*args, check=False)
     assert first.returncode != 0
     assert "1 sweep point(s) failed" in first.stderr + first.stdout

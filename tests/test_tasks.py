@@ -11,6 +11,8 @@ from occult.ep import Placement, ct_all
 from occult.routing_traces import load_trace, trace_topk
 
 ROOT = Path(__file__).resolve().parent.parent
+# the sweep's report (tested where it is read) left out of sweeps that do not read it: 3 s each
+NO_REPORT = "~hydra.callbacks.sweep_report"
 TINY = ["model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16", "model.num_layers=2",
         "task.batch_size=2", "task.seq_len=16", "task.warmup=0", "task.iters=1"]
 
@@ -24,7 +26,7 @@ def run_py(*args):
 def test_tasks_write_their_figures_and_traces(tmp_path):
     sweep = tmp_path / "sweep"
     run_py("-m", "system=occult", "model=olmoe_proxy", "task=prefill,decode,train", "cluster=cpu2",
-           "task.save_routing=true", *TINY, f"hydra.sweep.dir={sweep}")
+           "task.save_routing=true", *TINY, f"hydra.sweep.dir={sweep}", NO_REPORT)
     runs = {p.parent.name: p.parent for p in sweep.rglob("results.parquet")}
     assert len(runs) == 3
     expected = {"prefill": {"ttft", "tokens_per_s"}, "decode": {"token_latency", "ttft", "tokens_per_s"},
@@ -49,7 +51,7 @@ def test_reference_system_trains_like_expert_parallel_naive(tmp_path):
     and after an optimiser step, so both take the same step. The reference sends nothing."""
     sweep = tmp_path / "sweep"
     run_py("-m", "system=reference,naive", "model=olmoe_proxy", "task=train", "cluster=cpu2", *TINY,
-           "task.iters=2", f"hydra.sweep.dir={sweep}")
+           "task.iters=2", f"hydra.sweep.dir={sweep}", NO_REPORT)
     frames = {df.system.iloc[0]: df for df in map(pd.read_parquet, sweep.rglob("results.parquet"))}
     assert set(frames) == {"reference", "naive"}
     ref, naive = frames["reference"], frames["naive"]

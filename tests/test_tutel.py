@@ -26,6 +26,8 @@ from systems import system
 from test_models import PROXIES, tiny
 
 ROOT = Path(__file__).resolve().parent.parent
+# the sweep's report (tested where it is read) left out of sweeps that do not read it: 3 s each
+NO_REPORT = "~hydra.callbacks.sweep_report"
 TUTEL = "baselines.tutel.TutelDispatcher"
 HARNESS = "baselines.tutel_harness.TutelHarnessDispatcher"
 FP32 = 1e-5      # float32 encode / decode against the float64 reference
@@ -148,7 +150,8 @@ def test_prefill_runs_write_library_rows_with_padding_and_drops(tmp_path):
     tiny_model = ["model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16", "model.num_layers=2",
                   "task.batch_size=2", "task.seq_len=16", "task.warmup=0", "task.iters=1"]
     proc = subprocess.run([sys.executable, "run.py", "-m", "system=tutel", "model=olmoe_proxy", "task=prefill",
-                           "cluster=cpu2", "system.capacity_factor=0,1.0", *tiny_model, f"hydra.sweep.dir={sweep}"],
+                           "cluster=cpu2", "system.capacity_factor=0,1.0", *tiny_model, f"hydra.sweep.dir={sweep}",
+                           NO_REPORT],
                           cwd=ROOT, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = {json.loads(df.system_options.iloc[0])["capacity_factor"]: df
