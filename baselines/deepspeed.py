@@ -315,6 +315,11 @@ class DeepSpeedDispatcher(Dispatcher):
         def is_exact(self) -> bool:
             return self.capacity_factor == 0
 
+        def lossless_options(self) -> dict:
+            """Dropless (capacity_factor 0): the capacity scheme without its drops, what the
+            run's parity gate checks a dropping config with."""
+            return {} if self.is_exact() else {"capacity_factor": 0.0}
+
     def __init__(self, ep, placement, config):
         super().__init__(ep, placement, config)
         check_contiguous(placement)

@@ -141,6 +141,11 @@ class TutelHarnessDispatcher(SplitDispatcher):
         def is_exact(self) -> bool:
             return self.capacity_factor == 0
 
+        def lossless_options(self) -> dict:
+            """Dropless (capacity_factor 0): the capacity scheme without its drops, what the
+            run's parity gate checks a dropping config with."""
+            return {} if self.is_exact() else {"capacity_factor": 0.0}
+
     def _capacity(self, num_tokens: int, top_k: int, need_E: torch.Tensor, layer: int,
                   recorder: Optional[Recorder]) -> int:
         """C, equal on every rank: exchanges (T, most pairs for one expert) with every rank."""

@@ -170,6 +170,7 @@ def test_prefill_runs_write_library_rows_with_padding_and_drops(tmp_path):
     errors = dropless[dropless.metric.str.startswith("parity_") & (dropless.metric != "parity_checked")]
     assert len(errors) and errors.value.max() < 1e-5
     assert dropless[dropless.metric == "dropped_pairs"].value.sum() == 0
-    # cf = 1 drops (routing is never perfectly balanced); not top-k MoE, so not parity-checked
+    # cf = 1 drops (routing is never perfectly balanced); not top-k MoE, so gated dropless
     assert dropping[dropping.metric == "dropped_pairs"].value.sum() > 0
-    assert set(dropping[dropping.metric == "parity_checked"].value) == {0.0}
+    assert set(dropping[dropping.metric == "parity_checked"].value) == {1.0}
+    assert set(dropping[dropping.metric == "loss_off_parity"].value) == {1.0}
