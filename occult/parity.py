@@ -103,9 +103,34 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / _scale(b)
 
 
-def check_layer(ctx, system, case: LayerCase, placement: Optional[Placement] = None) -> dict:
+@dataclass(frozen=True)
+class Reference:
+    """The single-device reference's output and gradients on a whole problem (detached)."""
+
+    out_TD: torch.Tensor
+    grad_x_TD: torch.Tensor
+    grad_router_ED: torch.Tensor
+    grad_w_gate: torch.Tensor
+    grad_w_up: torch.Tensor
+    grad_w_down: torch.Tensor
+
+
+def reference_of(prob: Problem, case: LayerCase) -> Reference:
+    """The reference MoE on every rank's tokens of ``prob``, forward and backward."""
+    ref = ReferenceMoE(prob.router_ED, prob.experts, case.top_k, case.renormalize)
+    x_ref = prob.x_TD.clone().requires_grad_(True)
+    out_ref = ref(x_ref, prob.ids_TK)
+    (out_ref * prob.grad_TD).sum().backward()
+    return Reference(out_ref.detach(), x_ref.grad, ref.router.weight.grad, ref.w_gate.grad, ref.w_up.grad,
+                     ref.w_down.grad)
+
+
+def check_layer(ctx, system, case: LayerCase, placement: Optional[Placement] = None,
+                reference: Optional[Reference] = None) -> dict:
     """Runs one case on this rank for ``system`` (a system config or its dict); returns
     relative errors (and each quantity's scale, max |reference|) and the recorder's events.
+    ``reference``: the case's reference (:func:`reference_of`), when already computed for
+    this case and placement (a grid runs every system on the same cases).
 
     Must be called on every rank of ``ctx``'s world, with the same arguments.
     """
@@ -114,11 +139,7 @@ def check_layer(ctx, system, case: LayerCase, placement: Optional[Placement] = N
     prob = make_problem(case, placement, ctx.device)
     lo = sum(case.tokens[:rank])
     hi = lo + case.tokens[rank]
-
-    ref = ReferenceMoE(prob.router_ED, prob.experts, case.top_k, case.renormalize)
-    x_ref = prob.x_TD.clone().requires_grad_(True)
-    out_ref = ref(x_ref, prob.ids_TK)
-    (out_ref * prob.grad_TD).sum().backward()
+    ref = reference if reference is not None else reference_of(prob, case)
 
     dispatcher = system_config(system).build(ctx.ep, 0, case.num_experts, placement)
     layer = MoELayer.from_global(prob.router_ED, prob.experts, case.top_k, dispatcher, case.renormalize)
@@ -134,12 +155,12 @@ def check_layer(ctx, system, case: LayerCase, placement: Optional[Placement] = N
         dist.all_reduce(grad_router, group=ctx.ep.group)
     local = dispatcher.local_expert_ids
     pairs = {   # quantity -> (this system's, the reference's)
-        "out": (out.detach(), out_ref.detach()[lo:hi]),
-        "grad_x": (x.grad, x_ref.grad[lo:hi]),
-        "grad_router": (grad_router, ref.router.weight.grad),
-        "grad_w_gate": (layer.experts.w_gate.grad, ref.w_gate.grad[local]),
-        "grad_w_up": (layer.experts.w_up.grad, ref.w_up.grad[local]),
-        "grad_w_down": (layer.experts.w_down.grad, ref.w_down.grad[local]),
+        "out": (out.detach(), ref.out_TD[lo:hi]),
+        "grad_x": (x.grad, ref.grad_x_TD[lo:hi]),
+        "grad_router": (grad_router, ref.grad_router_ED),
+        "grad_w_gate": (layer.experts.w_gate.grad, ref.grad_w_gate[local]),
+        "grad_w_up": (layer.experts.w_up.grad, ref.grad_w_up[local]),
+        "grad_w_down": (layer.experts.w_down.grad, ref.grad_w_down[local]),
     }
     errors = {k: _rel_err(a, b) for k, (a, b) in pairs.items()}
     scales = {k: _scale(b) for k, (_, b) in pairs.items()}
@@ -156,10 +177,17 @@ def run_grid(ctx, jobs: list) -> list:
 
     Starting a world costs seconds; tests and benchmarks run whole grids in one.
     """
-    out = []
+    out, typed, references = [], {}, {}
     for system, case, groups in jobs:
         placement = Placement.from_groups(groups) if groups else None
-        out.append(check_layer(ctx, system, case, placement))
+        key = repr(system)            # each system's typed config made once (3 ms a merge)
+        if key not in typed:
+            typed[key] = system_config(system)
+        where = (case, repr(groups))  # each case's reference once, for every system on it
+        if where not in references:
+            pl = (placement or Placement.contiguous(case.num_experts, ctx.world_size)).to(ctx.device)
+            references[where] = reference_of(make_problem(case, pl, ctx.device), case)
+        out.append(check_layer(ctx, typed[key], case, placement, references[where]))
     return out
 
 

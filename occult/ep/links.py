@@ -11,6 +11,7 @@ YAML file (a measured one written into a run folder, e.g. by ``experiment=calibr
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -167,9 +168,20 @@ def profile_path(name_or_path) -> Path:
     return path
 
 
+# (resolved path, size, mtime_ns) -> a profile's checked fields: systems read their profile
+# once per layer they build (shadow, pipelined), and a read costs 20 ms
+_FIELDS_CACHE: dict = {}
+
+
 def profile_fields(name_or_path) -> dict:
-    """A profile's fields, checked against :class:`ProfileConf` (defaults filled in)."""
-    return checked_fields(OmegaConf.to_container(OmegaConf.load(profile_path(name_or_path))))
+    """A profile's fields, checked against :class:`ProfileConf` (defaults filled in), read
+    once per process and file version."""
+    path = profile_path(name_or_path)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _FIELDS_CACHE:
+        _FIELDS_CACHE[key] = checked_fields(OmegaConf.to_container(OmegaConf.load(path)))
+    return copy.deepcopy(_FIELDS_CACHE[key])
 
 
 def load_profile(name_or_path) -> Profile:
