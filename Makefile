@@ -48,9 +48,11 @@ $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[test]'
 	@touch $(TEST_STAMP)
 
-# The default test suite (slow tests excluded); CI runs exactly this.
+# The default test suite (slow tests excluded); CI runs exactly this. PYTEST_ARGS adds
+# pytest options (make test PYTEST_ARGS="--durations=10 -k parity").
+PYTEST_ARGS ?=
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Everything, slow tests included.
 test-all: $(TEST_STAMP)
