@@ -4,7 +4,6 @@ No runs are started: results frames are synthetic, in the real schema
 (occult.records), and written where load_runs finds them.
 """
 import json
-import warnings
 from pathlib import Path
 
 import numpy as np

@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ConfigKeyError, ValidationError
 
 from occult.config import register
 from occult.validate import ConfigError, validate

@@ -1,5 +1,4 @@
 """The paper's models: EP versions equal the single-device model; checkpoints; KV-cache decode."""
-import copy
 
 import pytest
 import torch
