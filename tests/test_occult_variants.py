@@ -226,7 +226,7 @@ def test_finetune_task_end_to_end(tmp_path):
         [sys.executable, "run.py", "system=occult_prune_sim", "model=olmoe_proxy", "task=finetune", "cluster=cpu2",
          "model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16", "model.num_layers=2",
          "task.steps=2", "task.seq_len=32", "task.tokens_per_rank=256", "system.budget=1",
-         "system.profile_tokens=512", "task.timing_iters=1", f"hydra.run.dir={run_dir}"],
+         "system.profile_tokens=512", "task.timing_iters=1", "label=similarity_1", f"hydra.run.dir={run_dir}"],
         cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     df = pd.read_parquet(run_dir / "results.parquet")
@@ -246,7 +246,7 @@ def test_finetune_task_end_to_end(tmp_path):
     assert (df.metric == "train_loss").sum() == 2
     assert (run_dir / "profile_router_logits.npz").is_file()
     table = accuracy_table(run_dir)
-    assert table.arm.tolist() == ["similarity_1"] and table.ct_all.item() <= 1.0 + 1e-9
+    assert table.arm.tolist() == ["similarity_1"] and table.ct_all.item() <= 1.0 + 1e-9   # the run's label
 
 
 # ---------------------------------------------------------------------------
