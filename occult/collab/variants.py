@@ -123,7 +123,7 @@ class _PruningDispatcher(OccultDispatcher):
             return not self.prune and not self.compressed()
 
         def lossless_options(self) -> dict:
-            return {"prune": False, **({"payload": "fp32", "combine_payload": None} if self.compressed() else {})}
+            return {"prune": False, **self.payload_off()}
 
         def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
             super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)

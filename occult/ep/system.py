@@ -156,7 +156,11 @@ class PayloadConfig(SystemConfig):
                                  + (" or null (as payload)" if key == "combine_payload" else ""))
 
     def lossless_options(self) -> dict:
-        return {} if self.is_exact() else {"payload": "fp32", "combine_payload": None}
+        return {} if self.is_exact() else self.payload_off()
+
+    def payload_off(self) -> dict:
+        """The options that send the rows as they are (``{}`` when they already do)."""
+        return {"payload": "fp32", "combine_payload": None} if self.compressed() else {}
 
     def payload_of(self, phase: str) -> str:
         """The payload of the ``dispatch`` or the ``combine`` rows."""
