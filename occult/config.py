@@ -39,9 +39,15 @@ class ModelConf:
     hidden_size: int = MISSING          # D
     expert_ffn_size: int = MISSING      # F
     norm_topk_prob: bool = False        # renormalise the top-k gate weights
+    # the rest of the router's gate rule (occult.ep.router.GateRule): scores, the weights'
+    # scale, and the group limit (the top-k inside the topk_group best of n_group groups)
+    scoring_func: str = "softmax"       # softmax | sigmoid | sqrtsoftplus
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
     dtype: str = "float32"
     # whole models (tasks prefill / decode / train / pretrain); unused by task=layer
-    family: str = ""                    # olmoe | qwen2_moe | deepseek_v2
+    family: str = ""                    # occult.models.families.FAMILIES (olmoe, deepseek_v3, mixtral, ...)
     num_layers: int = 1
     num_heads: int = 4
     vocab_size: int = 0                 # 0: the tokenizer's vocabulary
@@ -53,6 +59,13 @@ class ModelConf:
     hf_overrides: Dict[str, Any] = field(default_factory=dict)   # family-specific config fields
     path: Optional[str] = None          # a local checkpoint folder (config.json + safetensors)
     proxy: bool = False                 # a CPU proxy: tasks use its pre-trained checkpoint
+    # how a proxy is pre-trained to balance its experts: ``switch`` (E sum_e f_e p_e over the
+    # batch, weight pretrain.balance_coef) | ``sequence`` (DeepSeek-V3's sequence-wise loss
+    # on normalised scores, weight balance_coef) with the correction bias moved by each
+    # step's load at bias_update_speed (DeepSeek-V3's auxiliary-loss-free balancing)
+    balance_loss: str = "switch"
+    balance_coef: Optional[float] = None    # null: pretrain.balance_coef
+    bias_update_speed: float = 0.0
     init: str = "trained"               # proxies: trained (cached; pre-trained first if missing) | random
 
 

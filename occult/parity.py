@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .ep import MoELayer, Placement, Recorder, ReferenceMoE, devices_per_token, init_expert_weights, system_config
+from .ep import GateRule, MoELayer, Placement, Recorder, ReferenceMoE, devices_per_token, init_expert_weights, system_config
 from .synthetic import expert_popularity, sample_topk
 
 # routing patterns a parity case can ask for
@@ -53,6 +53,12 @@ class LayerCase:
     seed: int = 0
     dtype: str = "float64"
     explicit_ids: tuple = ()   # routing="explicit": every rank's tokens' top-k ids, concatenated
+    rule: Optional[GateRule] = None   # the router's gate rule (None: softmax top-k, renormalize)
+    bias: bool = False         # draw a correction bias for the rule's selection (DeepSeek-V3's)
+
+    @property
+    def gate_rule(self) -> GateRule:
+        return self.rule if self.rule is not None else GateRule(normalize=self.renormalize)
 
 
 @dataclass
@@ -62,6 +68,7 @@ class Problem:
     x_TD: torch.Tensor         # all ranks' tokens
     grad_TD: torch.Tensor      # upstream gradient of the output
     ids_TK: Optional[torch.Tensor]
+    bias_E: Optional[torch.Tensor] = None   # the router's correction bias (case.bias)
 
 
 def make_problem(case: LayerCase, placement: Placement, device="cpu") -> Problem:
@@ -74,6 +81,9 @@ def make_problem(case: LayerCase, placement: Placement, device="cpu") -> Problem
     experts = init_expert_weights(E, D, case.ffn, g, dtype)
     x = torch.randn(T, D, generator=g, device="cpu").to(dtype)
     grad = torch.randn(T, D, generator=g, device="cpu").to(dtype)
+    # a bias of the scores' own size, so that it moves the choice (drawn only when asked
+    # for: a case without one draws what it always drew)
+    bias = 0.1 * torch.randn(E, generator=g, device="cpu") if case.bias else None
     ids = None
     if case.routing == "explicit":
         ids = torch.tensor(case.explicit_ids, dtype=torch.long, device="cpu").view(T, K)
@@ -88,7 +98,8 @@ def make_problem(case: LayerCase, placement: Placement, device="cpu") -> Problem
             raise ValueError(f"routing={case.routing!r}: allowed {list(CASE_ROUTINGS)}")
         ids = sample_topk(T, K, expert_popularity("uniform", E), g, allowed)
     move = lambda t: None if t is None else t.to(device)
-    return Problem(move(router), {k: move(w) for k, w in experts.items()}, move(x), move(grad), move(ids))
+    return Problem(move(router), {k: move(w) for k, w in experts.items()}, move(x), move(grad), move(ids),
+                   move(bias))
 
 
 def _scale(b: torch.Tensor) -> float:
@@ -117,7 +128,7 @@ class Reference:
 
 def reference_of(prob: Problem, case: LayerCase) -> Reference:
     """The reference MoE on every rank's tokens of ``prob``, forward and backward."""
-    ref = ReferenceMoE(prob.router_ED, prob.experts, case.top_k, case.renormalize)
+    ref = ReferenceMoE(prob.router_ED, prob.experts, case.top_k, rule=case.gate_rule, bias_E=prob.bias_E)
     x_ref = prob.x_TD.clone().requires_grad_(True)
     out_ref = ref(x_ref, prob.ids_TK)
     (out_ref * prob.grad_TD).sum().backward()
@@ -142,7 +153,8 @@ def check_layer(ctx, system, case: LayerCase, placement: Optional[Placement] = N
     ref = reference if reference is not None else reference_of(prob, case)
 
     dispatcher = system_config(system).build(ctx.ep, 0, case.num_experts, placement)
-    layer = MoELayer.from_global(prob.router_ED, prob.experts, case.top_k, dispatcher, case.renormalize)
+    layer = MoELayer.from_global(prob.router_ED, prob.experts, case.top_k, dispatcher, rule=case.gate_rule,
+                                 bias_E=prob.bias_E)
     x = prob.x_TD[lo:hi].clone().requires_grad_(True)
     ids = None if prob.ids_TK is None else prob.ids_TK[lo:hi]
     rec = Recorder(rank=rank)

@@ -57,6 +57,25 @@ def _check_model(m) -> None:
                           f"{m.num_layers - 1} (at least one MoE layer)")
     if m.init not in ("trained", "random"):
         raise ConfigError(f"model.init={m.init!r}: allowed values are ['trained', 'random']")
+    _check_router(m)
+
+
+def _check_router(m) -> None:
+    """The gate rule is one the family's router computes and can route K experts; the
+    pre-training balance fields are ones the router has."""
+    from .models.families import FAMILIES, check_gate_rule, family_of
+    if m.family and m.family not in FAMILIES:
+        raise ConfigError(f"model.family={m.family!r}: allowed values are {sorted(FAMILIES)}")
+    try:
+        check_gate_rule(m)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if m.balance_loss not in ("switch", "sequence"):
+        raise ConfigError(f"model.balance_loss={m.balance_loss!r}: allowed values are ['switch', 'sequence']")
+    if m.bias_update_speed and not (m.family and family_of(m.family).correction_bias):
+        with_bias = sorted(n for n, f in FAMILIES.items() if f.correction_bias)
+        raise ConfigError(f"model.bias_update_speed={m.bias_update_speed}: model.family={m.family!r} has no "
+                          f"correction bias to move; families with one: {with_bias} (else 0)")
 
 
 def _check_task(task_cfg):
@@ -151,6 +170,11 @@ def validate(cfg, overrides: Sequence[str] = ()) -> list[str]:
     if t.whole_model and not m.family:
         raise ConfigError(f"task={t.name} runs a whole model; model={m.name} has no model.family "
                           f"(a layer-only config). Models with a family: {_models_with_family()}")
+    if t.whole_model:
+        from .models.families import family_of
+        refusal = family_of(m.family).whole_model_refusal
+        if refusal:
+            raise ConfigError(f"task={t.name} runs a whole model; model.family={m.family} is refused: {refusal}")
     if t.whole_model and m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
     notes = []

@@ -5,7 +5,7 @@ from .dispatcher import Dispatcher, SplitDispatcher
 from .experts import GroupedExperts, grouped_swiglu, init_expert_weights, swiglu
 from .layer import MoELayer, ReferenceMoE, reference_moe
 from .placement import Placement
-from .router import RoutingTransform, TopKRouter, gate_weights
+from .router import GateRule, RoutingTransform, TopKRouter, gate_weights
 from .system import SystemConfig, import_object, system_config
 
 __all__ = [
@@ -13,5 +13,5 @@ __all__ = [
     "EPGroup", "Exchange", "all_to_all_rows", "exchange_counts", "Dispatcher", "SplitDispatcher",
     "GroupedExperts", "grouped_swiglu", "init_expert_weights", "swiglu",
     "MoELayer", "ReferenceMoE", "reference_moe", "Placement", "RoutingTransform",
-    "TopKRouter", "gate_weights", "SystemConfig", "import_object", "system_config",
+    "GateRule", "TopKRouter", "gate_weights", "SystemConfig", "import_object", "system_config",
 ]

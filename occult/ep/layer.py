@@ -15,7 +15,7 @@ from torch import nn
 from .accounting import Recorder, span
 from .dispatcher import Dispatcher
 from .experts import GroupedExperts, swiglu
-from .router import RoutingTransform, TopKRouter
+from .router import GateRule, RoutingTransform, TopKRouter
 
 
 class MoELayer(nn.Module):
@@ -33,34 +33,44 @@ class MoELayer(nn.Module):
     @classmethod
     def from_global(cls, router_weight_ED: torch.Tensor, expert_weights: dict, top_k: int,
                     dispatcher: Dispatcher, renormalize: bool = False, layer_idx: int = 0,
-                    transform: Optional[RoutingTransform] = None) -> "MoELayer":
-        """Builds the rank's layer from the full weights, keeping only its own experts."""
+                    transform: Optional[RoutingTransform] = None, rule: Optional[GateRule] = None,
+                    bias_E: Optional[torch.Tensor] = None) -> "MoELayer":
+        """Builds the rank's layer from the full weights, keeping only its own experts
+        (``rule``, ``bias_E``: the router's gate rule and correction bias; default softmax
+        top-k, renormalised when ``renormalize``)."""
         local = dispatcher.local_expert_ids
         experts = GroupedExperts(*(expert_weights[k][local].clone() for k in ("w_gate", "w_up", "w_down")))
-        router = TopKRouter(router_weight_ED.clone(), top_k, renormalize)
+        router = TopKRouter(router_weight_ED.clone(), top_k, renormalize, rule, bias_E)
         return cls(router, experts, dispatcher, layer_idx, transform)
 
     def forward(self, x_TD: torch.Tensor, recorder: Optional[Recorder] = None,
                 forced_ids_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
         with span(recorder, self.layer_idx, "route"):
-            probs_TE, topk_ids_TK, topk_weights_TK = self.router(x_TD, forced_ids_TK)
+            probs_TE, choice_TE, topk_ids_TK, topk_weights_TK = self.router.route(x_TD, forced_ids_TK)
         return routed_experts(x_TD, probs_TE, topk_ids_TK, topk_weights_TK, self.dispatcher, self.experts,
-                              self.layer_idx, recorder, self.transform)
+                              self.layer_idx, recorder, self.transform, choice_TE=choice_TE)
 
 
 def routed_experts(x_TD: torch.Tensor, probs_TE: torch.Tensor, topk_ids_TK: torch.Tensor,
                    topk_weights_TK: torch.Tensor, dispatcher: Dispatcher, experts: GroupedExperts,
                    layer_idx: int, recorder: Optional[Recorder] = None,
                    transform: Optional[RoutingTransform] = None,
-                   logits_TE: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   logits_TE: Optional[torch.Tensor] = None,
+                   choice_TE: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The routed part of every EP MoE layer, after the router: the routing transform
-    (the layer's own, else the system's), then the system's ``forward_moe``: [T, D] -> [T, D]."""
+    (the layer's own, else the system's), then the system's ``forward_moe``: [T, D] -> [T, D].
+
+    ``probs_TE``: every expert's gate weight at the token's normalisation; ``choice_TE``:
+    the router's selection scores (default ``probs_TE``), for a transform that ranks
+    experts as the router does (:mod:`occult.ep.router`)."""
     rec, li = recorder, layer_idx
     transform = transform or dispatcher.routing_transform(layer_idx)
     if transform is not None:
         with span(rec, li, "route"):
+            extra = {"choice_TE": probs_TE if choice_TE is None else choice_TE} \
+                if getattr(transform, "takes_choice", False) else {}
             topk_ids_TK, topk_weights_TK = transform(probs_TE, topk_ids_TK, topk_weights_TK,
-                                                     dispatcher.placement)
+                                                     dispatcher.placement, **extra)
     if rec is not None:
         rec.log_routing(li, topk_ids_TK, topk_weights_TK, logits_TE)
     return dispatcher.forward_moe(x_TD, topk_ids_TK, topk_weights_TK, experts, layer=li, recorder=rec)
@@ -88,9 +98,10 @@ class ReferenceMoE(nn.Module):
     """The single-device MoE layer (no expert parallelism): router plus all E experts."""
 
     def __init__(self, router_weight_ED: torch.Tensor, expert_weights: dict, top_k: int,
-                 renormalize: bool = False):
+                 renormalize: bool = False, rule: Optional[GateRule] = None,
+                 bias_E: Optional[torch.Tensor] = None):
         super().__init__()
-        self.router = TopKRouter(router_weight_ED.clone(), top_k, renormalize)
+        self.router = TopKRouter(router_weight_ED.clone(), top_k, renormalize, rule, bias_E)
         self.w_gate = nn.Parameter(expert_weights["w_gate"].clone())
         self.w_up = nn.Parameter(expert_weights["w_up"].clone())
         self.w_down = nn.Parameter(expert_weights["w_down"].clone())

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..ep import Placement
+from ..ep import GateRule, Placement
 from .ep_block import EPMoEBlock
 from .families import Family, family_of
 
@@ -43,24 +43,41 @@ def hf_config(m, vocab_size: Optional[int] = None):
     first_dense = _get(m, "first_k_dense", 0)
     shared, shared_F = _get(m, "num_shared_experts", 0), _get(m, "shared_expert_ffn_size", 0)
     dense_F = _get(m, "dense_ffn_size", 0)
-    if fam.name == "olmoe":
+    rsf, n_group, topk_group = _get(m, "routed_scaling_factor", 1.0), _get(m, "n_group", 1), _get(m, "topk_group", 1)
+    if fam.name in ("olmoe", "mixtral", "gpt_oss"):
         if shared or first_dense:
-            raise ValueError("model: OLMoE has no shared experts and no dense layers "
+            raise ValueError(f"model: {fam.name} has no shared experts and no dense layers "
                              "(num_shared_experts and first_k_dense must be 0)")
-        kw = dict(intermediate_size=F, num_experts=E)
-    elif fam.name == "qwen2_moe":
+        kw = dict(intermediate_size=F, num_experts=E) if fam.name == "olmoe" else \
+            dict(intermediate_size=F, num_local_experts=E)
+    elif fam.name in ("qwen2_moe", "qwen3_5_moe"):
         if shared != 1:
-            raise ValueError(f"model.num_shared_experts={shared}: Qwen2-MoE has exactly one gated shared expert")
-        kw = dict(num_experts=E, moe_intermediate_size=F, shared_expert_intermediate_size=shared_F,
-                  intermediate_size=dense_F or shared_F, decoder_sparse_step=1,
+            raise ValueError(f"model.num_shared_experts={shared}: {fam.name} has exactly one gated shared expert")
+        kw = dict(num_experts=E, moe_intermediate_size=F, shared_expert_intermediate_size=shared_F)
+        if fam.name == "qwen2_moe":
+            kw.update(intermediate_size=dense_F or shared_F, decoder_sparse_step=1,
+                      mlp_only_layers=list(range(first_dense)))
+        elif first_dense:
+            raise ValueError("model.first_k_dense: Qwen3.5-MoE has no dense layers (must be 0)")
+    elif fam.name == "qwen3_moe":
+        if shared:
+            raise ValueError("model.num_shared_experts: Qwen3-MoE has no shared experts (must be 0)")
+        kw = dict(num_experts=E, moe_intermediate_size=F, intermediate_size=dense_F or 4 * D, decoder_sparse_step=1,
                   mlp_only_layers=list(range(first_dense)))
-    else:
+    elif fam.name == "deepseek_v4":
+        layers = _get(m, "num_layers", 1)
         kw = dict(n_routed_experts=E, moe_intermediate_size=F, n_shared_experts=shared,
-                  intermediate_size=dense_F or 4 * D, first_k_dense_replace=first_dense, topk_method="greedy",
-                  routed_scaling_factor=1.0, n_group=None, topk_group=None,
+                  routed_scaling_factor=rsf, scoring_func=_get(m, "scoring_func", "sqrtsoftplus"),
+                  mlp_layer_types=["hash_moe" if i < min(3, layers - 1) else "moe" for i in range(layers)])
+    else:   # deepseek_v2 (DeepSeek-MoE) and deepseek_v3 (DeepSeek-V3, Kimi K2)
+        kw = dict(n_routed_experts=E, moe_intermediate_size=F, n_shared_experts=shared,
+                  intermediate_size=dense_F or 4 * D, first_k_dense_replace=first_dense,
+                  routed_scaling_factor=rsf, n_group=n_group, topk_group=topk_group,
                   head_dim=_get(m, "hf_overrides", {}).get("qk_rope_head_dim", 64))
-    kw.update(dict(_get(m, "hf_overrides", {}) or {}))
-    return fam.config_class()(**common, **kw)
+        if fam.name == "deepseek_v2":
+            kw.update(topk_method="greedy", n_group=None, topk_group=None)
+    kw = {**common, **kw, **dict(_get(m, "hf_overrides", {}) or {})}
+    return fam.config_class()(**kw)
 
 
 def init_model(family: Family, config, seed: int) -> nn.Module:
@@ -117,11 +134,13 @@ def moe_blocks(model: nn.Module, family: Family) -> list:
     return [(i, layer, layer.mlp) for i, layer in enumerate(model.model.layers) if family.is_moe_block(layer.mlp)]
 
 
-def to_expert_parallel(model: nn.Module, family: Family, make_dispatcher: Callable[[int], object]) -> nn.Module:
+def to_expert_parallel(model: nn.Module, family: Family, make_dispatcher: Callable[[int], object],
+                       rule: Optional[GateRule] = None) -> nn.Module:
     """Replaces every MoE block by an :class:`EPMoEBlock` (in place); ``make_dispatcher(layer_idx)``
-    gives the layer's dispatcher (which carries its placement)."""
+    gives the layer's dispatcher (which carries its placement); ``rule``: the model's gate rule
+    (:func:`occult.models.families.gate_rule`; default softmax top-k)."""
     for layer_idx, layer, block in moe_blocks(model, family):
-        layer.mlp = EPMoEBlock(block, family, make_dispatcher(layer_idx), layer_idx)
+        layer.mlp = EPMoEBlock(block, family, make_dispatcher(layer_idx), layer_idx, rule)
     return model
 
 

@@ -1,10 +1,14 @@
-"""The three paper models as transformers model families, and how the harness reads
-their MoE blocks.
+"""The model families as transformers classes, and how the harness reads their MoE blocks.
 
 Each family names its transformers classes and says how its MoE block is laid
 out: the router module (``block.gate``, kept as it is: the model's own gate
 rule), fused experts ``experts.gate_up_proj`` [E, 2F, D] and
-``experts.down_proj`` [E, D, F], and how the shared experts join the output.
+``experts.down_proj`` [E, D, F], and how the shared experts join the output. It
+also says what its router fixes of the gate rule (:class:`occult.ep.router.GateRule`:
+the model config's ``scoring_func``, ``norm_topk_prob``, ``routed_scaling_factor``,
+``n_group``, ``topk_group``) and whether the router selects with a correction bias;
+:func:`gate_rule` turns a model config into that rule, the one the parity gate, the
+layer task and the routing transforms use.
 
 Shapes: E experts, D hidden, F expert FFN size, T tokens.
 """
@@ -15,7 +19,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as nnf
-import transformers
 
 
 @dataclass(frozen=True)
@@ -26,11 +29,18 @@ class Family:
     moe_block_cls: str
     shared_output: Optional[Callable]      # (block, x_TD) -> [T, D], or None
     deviations: str = ""
+    # what the family's router fixes: {model config field: the only value it takes}
+    fixed_rule: tuple = ()
+    correction_bias: bool = False          # the router selects with e_score_correction_bias
+    # why whole-model tasks refuse the family ("" when they run it)
+    whole_model_refusal: str = ""
 
     def config_class(self):
+        import transformers
         return getattr(transformers, self.config_cls)
 
     def model_class(self):
+        import transformers
         return getattr(transformers, self.model_cls)
 
     def is_moe_block(self, module) -> bool:
@@ -47,10 +57,14 @@ def _deepseek_shared(block, x_TD: torch.Tensor) -> torch.Tensor:
     return block.shared_experts(x_TD)
 
 
+SOFTMAX_UNGROUPED = (("scoring_func", "softmax"), ("n_group", 1), ("topk_group", 1))
+RENORMALISED = SOFTMAX_UNGROUPED + (("norm_topk_prob", True), ("routed_scaling_factor", 1.0))
+
 FAMILIES = {
-    "olmoe": Family("olmoe", "OlmoeConfig", "OlmoeForCausalLM", "OlmoeSparseMoeBlock", None),
+    "olmoe": Family("olmoe", "OlmoeConfig", "OlmoeForCausalLM", "OlmoeSparseMoeBlock", None,
+                    fixed_rule=SOFTMAX_UNGROUPED + (("routed_scaling_factor", 1.0),)),
     "qwen2_moe": Family("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", "Qwen2MoeSparseMoeBlock",
-                        _qwen_shared),
+                        _qwen_shared, fixed_rule=SOFTMAX_UNGROUPED + (("routed_scaling_factor", 1.0),)),
     "deepseek_v2": Family(
         "deepseek_v2", "DeepseekV2Config", "DeepseekV2ForCausalLM", "DeepseekV2Moe", _deepseek_shared,
         deviations=(
@@ -59,8 +73,62 @@ FAMILIES = {
             "shared experts, dense first layer via first_k_dense_replace=1, routed_scaling_factor=1), "
             "but multi-head latent attention (MLA) in place of DeepSeek-MoE's plain multi-head "
             "attention. Expert-parallel communication does not depend on the attention."),
+        fixed_rule=SOFTMAX_UNGROUPED + (("norm_topk_prob", False),),
     ),
+    # DeepSeek-V3 and Kimi K2: sigmoid scores, selection with the correction bias inside
+    # the best groups, weights renormalised and scaled
+    "deepseek_v3": Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM", "DeepseekV3MoE",
+                          _deepseek_shared, fixed_rule=(("scoring_func", "sigmoid"),), correction_bias=True),
+    "deepseek_v4": Family(
+        "deepseek_v4", "DeepseekV4Config", "DeepseekV4ForCausalLM", "DeepseekV4SparseMoeBlock", _deepseek_shared,
+        fixed_rule=(("scoring_func", "sqrtsoftplus"), ("norm_topk_prob", True), ("n_group", 1), ("topk_group", 1)),
+        correction_bias=True,
+        whole_model_refusal=(
+            "DeepSeek-V4's first MoE layers route by a token-id hash table and its residual is a stack of "
+            "hyper-connection streams; the harness runs its router and shapes in layer tasks (task=layer, "
+            "task=bench) and its routed experts with the others, not the whole model")),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "Qwen3MoeSparseMoeBlock", None,
+                        fixed_rule=SOFTMAX_UNGROUPED + (("routed_scaling_factor", 1.0),)),
+    "qwen3_5_moe": Family("qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                          "Qwen3_5MoeSparseMoeBlock", _qwen_shared, fixed_rule=RENORMALISED),
+    "mixtral": Family("mixtral", "MixtralConfig", "MixtralForCausalLM", "MixtralSparseMoeBlock", None,
+                      fixed_rule=RENORMALISED),
+    "gpt_oss": Family(
+        "gpt_oss", "GptOssConfig", "GptOssForCausalLM", "GptOssMLP", None, fixed_rule=RENORMALISED,
+        deviations=(
+            "gpt-oss's router (a linear layer with a bias, top-k of the logits, softmax over those k: "
+            "softmax scores renormalised over the top-k, GateRule(normalize=True)) and shapes are its own; "
+            "its experts (interleaved gate/up projections with biases, a clamped GLU with alpha 1.702) are "
+            "not the harness's SwiGLU experts, so the harness runs its shapes with SwiGLU experts"),
+        whole_model_refusal=(
+            "gpt-oss's experts are not the harness's SwiGLU experts (see its deviation note), so a whole "
+            "gpt-oss model has no expert-parallel equivalent here; its router and shapes run in layer "
+            "tasks (task=layer, task=bench)")),
 }
+
+
+def gate_rule(m):
+    """The gate rule of a ``model`` config (a DictConfig, a dict or a ModelConf):
+    :class:`occult.ep.router.GateRule` from its router fields (defaults: softmax top-k)."""
+    from ..ep.router import GateRule
+    get = m.get if hasattr(m, "get") else lambda k, d=None: getattr(m, k, d)
+    return GateRule(scoring=get("scoring_func", "softmax"), normalize=bool(get("norm_topk_prob", False)),
+                    scaling=float(get("routed_scaling_factor", 1.0)), n_group=int(get("n_group", 1)),
+                    topk_group=int(get("topk_group", 1)))
+
+
+def check_gate_rule(m) -> None:
+    """Raises ``ValueError`` (one line naming the field) when the model's router fields
+    are not a rule its family's router computes, or cannot route K of its E experts."""
+    family = m.get("family") if hasattr(m, "get") else getattr(m, "family", "")
+    rule = gate_rule(m)
+    if family:
+        for field, value in family_of(family).fixed_rule:
+            have = m.get(field) if hasattr(m, "get") else getattr(m, field)
+            if have != value:
+                raise ValueError(f"model.{field}={have!r}: the {family} router computes only {value!r}; "
+                                 f"allowed values are [{value!r}]")
+    rule.check(m["num_experts"], m["top_k"])
 
 
 def family_of(model_type: str) -> Family:

@@ -17,7 +17,7 @@ from torch import nn
 from ..ep import system_config
 from .build import hf_config, init_model, load_checkpoint, to_expert_parallel
 from .ep_block import EPMoEBlock
-from .families import family_of
+from .families import family_of, gate_rule
 
 
 def base_model(cfg, vocab_size: int, checkpoint: Optional[str] = None, device="cpu") -> nn.Module:
@@ -44,7 +44,7 @@ def make_rank_model(ctx, model: nn.Module, cfg, placements: Optional[dict] = Non
     def dispatcher(layer_idx: int):
         return config.build(ctx.ep, layer_idx, E, (placements or {}).get(layer_idx))
 
-    return to_expert_parallel(model, family_of(cfg.model.family), dispatcher)
+    return to_expert_parallel(model, family_of(cfg.model.family), dispatcher, gate_rule(cfg.model))
 
 
 def expert_parameters(model: nn.Module) -> set:

@@ -7,13 +7,16 @@ import torch
 
 from ..ep import Placement, Recorder, ct_all, ct_remote, intra_ratio, system_config
 from ..ep.measure import gather_objects, sum_over_ranks
+from ..models.families import family_of, gate_rule
 from ..parity import TOLERANCE, LayerCase, check_layer, disagreements
 from ..records import row
 
 
 def parity_gate(ctx, cfg, system, routing: str, placement: Optional[Placement] = None) -> list:
     """Checks ``system`` (a system config or its dict) against the single-device reference
-    on a small float64 problem with the run's E, K, P and placement (default: the system's
+    on a small float64 problem with the run's E, K, gate rule (the model's router: its
+    scores, group limit and weights, with a drawn correction bias where the router selects
+    with one), P and placement (default: the system's
     placement of the model's first MoE layer), ``cfg.task.parity_tokens`` tokens per rank
     drawn from the run's seed, to the tolerance of the system's precision
     (:func:`occult.parity.disagreements`); raises if it disagrees. A lossy system is checked
@@ -25,7 +28,8 @@ def parity_gate(ctx, cfg, system, routing: str, placement: Optional[Placement] =
     config = system_config(system)
     m = cfg.model
     case = LayerCase(m.num_experts, m.top_k, tuple([cfg.task.parity_tokens] * ctx.world_size),
-                     routing="router" if routing == "router" else "uniform", seed=cfg.seed)
+                     routing="router" if routing == "router" else "uniform", seed=cfg.seed,
+                     rule=gate_rule(m), bias=bool(m.family) and family_of(m.family).correction_bias)
     if placement is None:
         placement = config.layer_placement(m.get("first_k_dense", 0), m.num_experts, ctx.world_size)
     rows = []

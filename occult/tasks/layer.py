@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from ..ep import GroupedExperts, MoELayer, Recorder, TopKRouter, system_config
 from ..ep.measure import barrier, clock, iterations
+from ..models.families import gate_rule
 from ..records import row
 from ..synthetic import expert_popularity, sample_topk
 from .common import comm_rows, parity_gate, routing_rows, timing_rows
@@ -47,7 +48,7 @@ def build_layer(ctx, cfg, system=None) -> MoELayer:
     dispatcher = system_config(cfg.system if system is None else system).build(ctx.ep, 0, m.num_experts)
     g = torch.Generator(device="cpu").manual_seed(cfg.seed)
     router_ED = torch.randn(m.num_experts, m.hidden_size, generator=g, device="cpu") / m.hidden_size ** 0.5
-    router = TopKRouter(router_ED.to(device=ctx.device, dtype=dtype), m.top_k, m.norm_topk_prob)
+    router = TopKRouter(router_ED.to(device=ctx.device, dtype=dtype), m.top_k, rule=gate_rule(m))
     experts = expert_weights(dispatcher.local_expert_ids, m.hidden_size, m.expert_ffn_size, cfg.seed, dtype,
                              ctx.device)
     return MoELayer(router, experts, dispatcher, layer_idx=0)

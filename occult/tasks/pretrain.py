@@ -34,7 +34,7 @@ from tqdm import tqdm
 from ..data.batches import batch_iterator, token_ids, unigram_loss
 from ..data.tokenizer import get_tokenizer
 from ..models.build import hf_config, init_model, moe_blocks, save_checkpoint
-from ..models.families import family_of
+from ..models.families import family_of, gate_rule
 from ..records import row
 from .training import adamw, evaluate, pretraining_schedule
 
@@ -44,13 +44,19 @@ ROOT = Path(__file__).resolve().parents[2]
 ARCH_FIELDS = ("family", "num_experts", "top_k", "hidden_size", "expert_ffn_size", "norm_topk_prob",
                "num_layers", "num_heads", "num_shared_experts", "shared_expert_ffn_size", "dense_ffn_size",
                "first_k_dense", "max_position", "hf_overrides")
+# fields added after the first proxies were cached: in the key only where they differ from
+# their defaults, so that the cached proxies keep their keys
+LATER_ARCH_FIELDS = {"scoring_func": "softmax", "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+                     "balance_loss": "switch", "balance_coef": None, "bias_update_speed": 0.0}
 TRAIN_FIELDS = ("steps", "lr", "batch_size", "seq_len", "balance_coef", "tokenizer_vocab", "corpus", "threads")
 
 
 def proxy_dir(cfg) -> Path:
     """Where the proxy trained with these settings is cached (a hash of them names it)."""
     m, t = OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.pretrain, resolve=True)
-    key = json.dumps({"arch": {k: m.get(k) for k in ARCH_FIELDS}, "train": {k: t.get(k) for k in TRAIN_FIELDS},
+    arch = {k: m.get(k) for k in ARCH_FIELDS}
+    arch.update({k: m.get(k, d) for k, d in LATER_ARCH_FIELDS.items() if m.get(k, d) != d})
+    key = json.dumps({"arch": arch, "train": {k: t.get(k) for k in TRAIN_FIELDS},
                       "seed": cfg.seed, "version": PRETRAIN_VERSION}, sort_keys=True)
     return ROOT / "runs" / "cache" / "proxies" / f"{m['name']}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
@@ -78,6 +84,34 @@ def balance_loss(calls, num_experts: int) -> torch.Tensor:
         f_E = torch.bincount(ids_TK.flatten(), minlength=num_experts).float() / ids_TK.numel()
         losses.append(num_experts * (f_E * probs_TE.mean(0)).sum())
     return torch.stack(losses).mean()
+
+
+def sequence_balance_loss(calls, rule, batch: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, mean over MoE layers and sequences:
+    sum_e f_e P_e per sequence, f_e = E / (K S) * (picks of e in the sequence), P_e the
+    sequence's mean of the normalised scores s_e / sum_j s_j."""
+    losses = []
+    for logits_TE, ids_TK in calls:
+        T, E = logits_TE.shape
+        K, S = ids_TK.shape[1], T // batch
+        s_TE = rule.scores(logits_TE)
+        p_BE = (s_TE / s_TE.sum(-1, keepdim=True)).view(batch, S, E).mean(1)
+        picks_BE = torch.zeros(batch, E, device=ids_TK.device).scatter_add_(
+            1, ids_TK.reshape(batch, S * K), torch.ones(batch, S * K, device=ids_TK.device))
+        losses.append((picks_BE * (E / (K * S)) * p_BE).sum(-1).mean())
+    return torch.stack(losses).mean()
+
+
+@torch.no_grad()
+def update_correction_bias(model, family, calls, speed: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, after a step: each MoE router's
+    correction bias moves by ``speed`` towards balance (down for an expert chosen more
+    often than the mean in the step, up for one chosen less)."""
+    blocks = [block for _, _, block in moe_blocks(model, family)]
+    for block, (_, ids_TK) in zip(blocks, calls):
+        bias_E = block.gate.e_score_correction_bias
+        load_E = torch.bincount(ids_TK.flatten(), minlength=bias_E.numel()).float()
+        bias_E += speed * torch.sign(load_E.mean() - load_E)
 
 
 def expert_load(model, family, ids_N, batch_size: int, seq_len: int, max_batches: int) -> list:
@@ -113,6 +147,7 @@ def _pretrain(cfg, out_dir: Path, progress: bool) -> dict:
     # pre-training's recipe (occult.tasks.training: why it differs from fine-tuning's)
     opt, sched = adamw(model.parameters(), t.lr, PRETRAIN_WEIGHT_DECAY, pretraining_schedule(t.steps))
     tap = RouterTap(model, fam)
+    rule, coef = gate_rule(m), t.balance_coef if m.balance_coef is None else m.balance_coef
     curve, t0 = [], time.perf_counter()
     bar = tqdm(batch_iterator(train_ids, t.batch_size, t.seq_len, cfg.seed, t.steps), total=t.steps,
                desc=f"pretrain {m.name}", disable=not progress, mininterval=2.0)
@@ -120,12 +155,15 @@ def _pretrain(cfg, out_dir: Path, progress: bool) -> dict:
         tap.calls.clear()
         logits = model(input_ids=x_BS).logits
         lm = nnf.cross_entropy(logits.flatten(0, 1), y_BS.flatten())
-        bal = balance_loss(tap.calls, m.num_experts)
-        (lm + t.balance_coef * bal).backward()
+        bal = sequence_balance_loss(tap.calls, rule, x_BS.shape[0]) if m.balance_loss == "sequence" else \
+            balance_loss(tap.calls, m.num_experts)
+        (lm + coef * bal).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if m.bias_update_speed:
+            update_correction_bias(model, fam, tap.calls, m.bias_update_speed)
         point = {"step": step + 1, "train_loss": lm.item(), "balance_loss": bal.item()}
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
             point["val_loss"] = evaluate(model, val_ids, 16, t.seq_len, max_batches=8)["loss"]
