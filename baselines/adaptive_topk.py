@@ -22,17 +22,14 @@ top-k, E experts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-from occult.ep import Dispatcher, SystemConfig, import_object, system_config
-from occult.errors import ConfigError
 from occult.ep.router import NO_EXPERT
 
-BASES = {"naive": "baselines.naive.NaiveDispatcher", "occult": "occult.collab.dispatcher.OccultDispatcher",
-         "megablocks": "baselines.megablocks.MegaBlocksDispatcher"}
+from .wrapped import BASES, WrappedDispatcher
 
 
 def adaptive_keep(topk_weights_TK: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -54,39 +51,30 @@ class AdaptiveTopK:
     def __init__(self, threshold: float, inner=None):
         self.threshold, self.inner = threshold, inner
 
-    def __call__(self, probs_TE, topk_ids_TK, topk_weights_TK, placement):
+    @property
+    def takes_choice(self) -> bool:
+        """Whether the inner transform ranks experts as the router does (then it gets ``choice_TE``)."""
+        return getattr(self.inner, "takes_choice", False)
+
+    def __call__(self, probs_TE, topk_ids_TK, topk_weights_TK, placement, **choice):
         if self.inner is not None:
-            topk_ids_TK, topk_weights_TK = self.inner(probs_TE, topk_ids_TK, topk_weights_TK, placement)
+            topk_ids_TK, topk_weights_TK = self.inner(probs_TE, topk_ids_TK, topk_weights_TK, placement, **choice)
         keep_TK = adaptive_keep(topk_weights_TK, self.threshold)
         ids_TK = torch.where(keep_TK, topk_ids_TK, torch.full_like(topk_ids_TK, NO_EXPERT))
         return ids_TK, topk_weights_TK * keep_TK.to(topk_weights_TK.dtype)
 
 
-class AdaptiveTopKDispatcher(Dispatcher):
+class AdaptiveTopKDispatcher(WrappedDispatcher):
     """``base``'s dispatcher with AdapMoE's adaptive top-k in front of it."""
 
-    impl = "harness"
-    exact = False
-
     @dataclass
-    class Config(SystemConfig):
-        base: str = "occult"        # the system that runs the layer: naive | occult | megablocks | a class path
+    class Config(WrappedDispatcher.Config):
         threshold: float = 0.1      # share of a token's top-k weight it may drop (0: keep all, exact)
-        base_options: Dict[str, Any] = field(default_factory=dict)   # the base system's options
-
-        def base_config(self) -> SystemConfig:
-            target = BASES.get(self.base, self.base)
-            return system_config({"name": self.base.rsplit(".", 1)[-1], "_target_": target, **self.base_options})
 
         def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
-            allowed = f"allowed values are {sorted(BASES)} or the class path of a system that takes dropped pairs"
-            if self.base not in BASES and "." not in self.base:
-                raise ValueError(f"system.base={self.base!r}: {allowed}")
-            try:
-                base = self.base_config()
-            except ConfigError as exc:
-                raise ValueError(f"system.base={self.base!r}: {exc}") from exc
+            base = self.checked_base()
             if not base.accepts_dropped_pairs:
+                allowed = f"allowed values are {sorted(BASES)} or the class path of a system that takes dropped pairs"
                 raise ValueError(f"system.base={self.base!r} does not take dropped pairs "
                                  f"(its config's accepts_dropped_pairs); {allowed}")
             if not 0.0 <= self.threshold < 1.0:
@@ -98,33 +86,12 @@ class AdaptiveTopKDispatcher(Dispatcher):
             return self.threshold == 0 and self.base_config().is_exact()
 
         def lossless_options(self) -> dict:
-            base_off = self.base_config().lossless_options()
-            return {"threshold": 0.0, **({"base_options": {**self.base_options, **base_off}} if base_off else {})}
+            return {"threshold": 0.0, **self.base_lossless()}
 
-        # the wrapper is its base plus a routing transform: what a run asks of a system
-        # beyond the transform is the base's answer
-        def impl_for(self, world_size: int) -> str:
-            return self.base_config().impl_for(world_size)
-
-        @property
-        def precision(self) -> str:
-            return self.base_config().precision
-
-        def check_task(self, task: str) -> None:
-            self.base_config().check_task(task)
-
-        def layer_placement(self, layer: int, num_experts: int, world_size: int):
-            return self.base_config().layer_placement(layer, num_experts, world_size)
-
-    def __init__(self, ep, placement, config):
-        super().__init__(ep, placement, config)
-        base = config.base_config()
-        self.inner = import_object(base._target_)(ep, placement, base)
-
-    def routing_transform(self, layer: int) -> Optional[AdaptiveTopK]:
-        return AdaptiveTopK(self.config.threshold, self.inner.routing_transform(layer))
+    def make_transform(self, layer: int, inner) -> Optional[AdaptiveTopK]:
+        return AdaptiveTopK(self.config.threshold, inner)
 
     def forward_moe(self, x_TD, topk_ids_TK, topk_weights_TK, experts, *, layer=0, recorder=None):
         if recorder is not None:
             recorder.log_counter(layer, "dropped_pairs", int((topk_ids_TK < 0).sum()))
-        return self.inner.forward_moe(x_TD, topk_ids_TK, topk_weights_TK, experts, layer=layer, recorder=recorder)
+        return super().forward_moe(x_TD, topk_ids_TK, topk_weights_TK, experts, layer=layer, recorder=recorder)

@@ -1,4 +1,5 @@
-"""The paper's models: EP versions equal the single-device model; checkpoints; KV-cache decode."""
+"""The models: EP versions equal the single-device model; each family's router is the gate
+rule the harness states for it; checkpoints; KV-cache decode."""
 
 import pytest
 import torch
@@ -6,10 +7,13 @@ from omegaconf import OmegaConf
 
 from occult.dist import launch
 from occult.models.build import CheckpointError, hf_config, init_model, load_checkpoint, save_checkpoint
-from occult.models.families import family_of
+from occult.ep import GateRule, Placement
+from occult.models.families import family_of, gate_rule
+from occult.pruning import GroupLimit
 from occult.parity import run_model_grid
 
-PROXIES = ["olmoe_proxy", "qwen_moe_proxy", "deepseek_moe_proxy"]
+PROXIES = ["olmoe_proxy", "qwen_moe_proxy", "deepseek_moe_proxy", "deepseek_v3_proxy", "qwen3_moe_proxy",
+           "mixtral_proxy"]
 SYSTEMS = [("naive", "baselines.naive.NaiveDispatcher"), ("occult", "occult.collab.dispatcher.OccultDispatcher")]
 
 
@@ -18,6 +22,75 @@ def tiny(name: str) -> dict:
     m = OmegaConf.to_container(OmegaConf.load(f"conf/model/{name}.yaml"))
     m.update(hidden_size=32, expert_ffn_size=16, num_layers=2, shared_expert_ffn_size=32, dense_ffn_size=64)
     return m
+
+
+# every family's full config, shrunk (router fields kept): the router each family's
+# transformers class builds
+FULL = ["olmoe", "qwen_moe", "deepseek_moe", "deepseek_v3", "kimi_k2", "deepseek_v4", "qwen3_moe", "qwen3_5_moe",
+        "gpt_oss", "mixtral"]
+TINY_ATTENTION = {"deepseek_v2": {"q_lora_rank": None, "kv_lora_rank": 8, "qk_nope_head_dim": 8,
+                                  "qk_rope_head_dim": 8, "v_head_dim": 8},
+                  "deepseek_v4": {"num_key_value_heads": 1, "head_dim": 16, "qk_rope_head_dim": 8,
+                                  "index_n_heads": 2, "index_head_dim": 8, "o_groups": 2}}
+TINY_ATTENTION["deepseek_v3"] = TINY_ATTENTION["deepseek_v2"]
+
+
+def routers(name: str):
+    """The transformers router of a shrunk ``name`` (one learned-top-k MoE layer; random
+    weights and correction bias) and the model config."""
+    m = OmegaConf.to_container(OmegaConf.load(f"conf/model/{name}.yaml"))
+    m.update(hidden_size=32, expert_ffn_size=8, num_layers=2, num_heads=4, shared_expert_ffn_size=8,
+             dense_ffn_size=16, first_k_dense=min(m.get("first_k_dense", 0), 1), max_position=64,
+             hf_overrides=TINY_ATTENTION.get(m["family"], {"num_key_value_heads": 4, "head_dim": 8}))
+    fam = family_of(m["family"])
+    model = init_model(fam, hf_config(OmegaConf.create(m), 64), 0)
+    block = [layer.mlp for layer in model.model.layers if fam.is_moe_block(layer.mlp)][-1]
+    gate = getattr(block, "gate", None) or block.router
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(gate.weight.shape, generator=g))
+        if hasattr(gate, "e_score_correction_bias"):
+            gate.e_score_correction_bias.copy_(torch.rand(gate.weight.shape[0], generator=g) * 0.3)
+    return gate, m
+
+
+@pytest.mark.parametrize("name", FULL)
+def test_each_family_router_is_the_stated_gate_rule(name):
+    """The harness's GateRule of the model config (scores, bias, group limit, weights)
+    chooses the experts the family's transformers router chooses, with its weights."""
+    gate, m = routers(name)
+    x_TD = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits_TE, w_TK, ids_TK = gate(x_TD)
+        bias_E = getattr(gate, "e_score_correction_bias", None)
+        rule = gate_rule(m)
+        _, _, ids2_TK, w2_TK = rule.route(logits_TE, m["top_k"], bias_E)
+    order, order2 = ids_TK.argsort(1), ids2_TK.argsort(1)
+    assert torch.equal(ids_TK.gather(1, order), ids2_TK.gather(1, order2)), name
+    assert torch.allclose(w_TK.float().gather(1, order), w2_TK.gather(1, order2), rtol=1e-5, atol=1e-6), name
+    probs_TE = rule.expert_weights(rule.scores(logits_TE), ids2_TK)
+    assert torch.allclose(probs_TE.gather(1, ids2_TK), w2_TK)
+    if rule.group_limited:      # the limit binds: without it some tokens choose otherwise
+        free = GateRule(rule.scoring, rule.normalize, rule.scaling).route(logits_TE, m["top_k"], bias_E)[2]
+        assert not torch.equal(free.sort(1).values, ids2_TK.sort(1).values)
+
+
+def test_group_limit_over_devices_is_deepseek_v3s_router_with_devices_as_groups():
+    """GroupLimit(M) over the contiguous placement of P devices, on the router's choice
+    without a limit, chooses what DeepSeek-V3's router chooses with n_group = P,
+    topk_group = M (selection scores with the correction bias)."""
+    gate, m = routers("deepseek_v3")
+    E, K, P = m["num_experts"], m["top_k"], 8
+    x_TD = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    for M in (1, 2, 4):
+        gate.num_group, gate.topk_group = P, M
+        with torch.no_grad():
+            logits_TE, _, ids_TK = gate(x_TD)
+            free = GateRule("sigmoid", True, m["routed_scaling_factor"])
+            scores_TE, choice_TE, free_TK, w_TK = free.route(logits_TE, K, gate.e_score_correction_bias)
+            out_TK, _ = GroupLimit(M)(free.expert_weights(scores_TE, free_TK), free_TK, w_TK,
+                                      Placement.contiguous(E, P), choice_TE=choice_TE)
+        assert torch.equal(out_TK.sort(1).values, ids_TK.sort(1).values), M
 
 
 @pytest.mark.timeout(400)

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from occult.ep import Placement, ct_all, devices_per_token
-from occult.pruning import (ScorePruning, SimilarityPruning, check_budget, device_scores, expert_similarity,
-                            make_pruning, min_budget)
+from occult.pruning import (GroupLimit, ScorePruning, SimilarityPruning, check_budget, device_scores,
+                            expert_similarity, make_pruning, min_budget)
 
 
 def routing(T, E, K, seed=0):
@@ -26,6 +26,7 @@ def transforms(budget, logits_TE):
     sim_EE = expert_similarity(logits_TE)
     out = [ScorePruning(budget, score, rule) for score in ("sum", "max") for rule in ("own", "replaced", "renormalize")]
     out += [SimilarityPruning(budget, sim_EE, rule) for rule in ("own", "replaced", "renormalize")]
+    out += [GroupLimit(budget, rule) for rule in ("own", "replaced", "renormalize")]
     return out
 
 

@@ -34,9 +34,17 @@ takes the slot of the expert it replaces. Its gate weight follows
 - ``renormalize``: kept weights and substitutes' own probabilities, rescaled so
   that the token's weights sum to the original sum.
 
-Gate weights are gathered from ``probs_TE`` (or are the incoming weights, which
-the router gathered from it), so the router keeps its gradient. Tokens whose
-routing does not change keep their ids and weights bit for bit.
+- :class:`GroupLimit`: DeepSeek-V3's group-limited routing with the devices as the
+  groups: per token, the ``topk_group`` devices whose two best experts' selection
+  scores sum highest, then the top-k of the selection scores among their experts.
+  It ranks as the router does (``takes_choice``: the router's selection scores,
+  DeepSeek-V3's correction bias included); with ``topk_group`` = P it is the router's
+  own top-k.
+
+Gate weights are gathered from ``probs_TE`` (every expert's weight at the token's
+normalisation, :meth:`occult.ep.router.GateRule.expert_weights`; or are the incoming
+weights, which the router gathered from it), so the router keeps its gradient. Tokens
+whose routing does not change keep their ids and weights bit for bit.
 
 Shapes: T tokens, E experts, K top-k, P devices, e = E / P local experts,
 N profiling tokens.
@@ -50,6 +58,7 @@ from typing import Optional
 import torch
 
 from ..ep.placement import Placement
+from ..ep.router import group_mask
 
 WEIGHT_RULES = ("own", "replaced", "renormalize")
 DEVICE_SCORES = ("sum", "max")
@@ -166,17 +175,56 @@ class ScorePruning:
 
     def __call__(self, probs_TE, topk_ids_TK, topk_weights_TK, placement):
         _check_inputs(probs_TE, topk_ids_TK, placement, self.budget)
-        E, K = placement.num_experts, topk_ids_TK.shape[1]
         allowed_TE = self.allowed_devices(probs_TE, placement)[:, placement.device_E.to(probs_TE.device)]
-        masked_TE = probs_TE.detach().masked_fill(~allowed_TE, -torch.inf)
-        new_TE = _selected_mask(torch.topk(masked_TE, K, dim=1).indices, E)
-        kept_TK = new_TE.gather(1, topk_ids_TK)
-        # experts that enter, best first; the j-th dropped slot (in slot order) takes the j-th
-        entering_TK = torch.topk(masked_TE.masked_fill(~(new_TE & ~_selected_mask(topk_ids_TK, E)), -torch.inf),
-                                 K, dim=1).indices
-        rank_TK = (torch.cumsum((~kept_TK).long(), dim=1) - 1).clamp_min(0)
-        ids_out_TK = torch.where(kept_TK, topk_ids_TK, entering_TK.gather(1, rank_TK))
-        return ids_out_TK, _gate_weights(probs_TE, topk_weights_TK, ids_out_TK, ~kept_TK, self.weight_rule)
+        ids_out_TK, replaced_TK = _rechoose(probs_TE.detach().masked_fill(~allowed_TE, -torch.inf), topk_ids_TK)
+        return ids_out_TK, _gate_weights(probs_TE, topk_weights_TK, ids_out_TK, replaced_TK, self.weight_rule)
+
+
+def _rechoose(masked_TE: torch.Tensor, topk_ids_TK: torch.Tensor) -> tuple:
+    """The top-k of ``masked_TE`` (disallowed experts at -inf) as a rewrite of the incoming
+    choice: experts that stay keep their slot, the j-th dropped slot (in slot order) takes
+    the j-th best entering expert. Returns ``(ids_out_TK, replaced_TK)``."""
+    E, K = masked_TE.shape[1], topk_ids_TK.shape[1]
+    new_TE = _selected_mask(torch.topk(masked_TE, K, dim=1).indices, E)
+    kept_TK = new_TE.gather(1, topk_ids_TK)
+    entering_TK = torch.topk(masked_TE.masked_fill(~(new_TE & ~_selected_mask(topk_ids_TK, E)), -torch.inf),
+                             K, dim=1).indices
+    rank_TK = (torch.cumsum((~kept_TK).long(), dim=1) - 1).clamp_min(0)
+    return torch.where(kept_TK, topk_ids_TK, entering_TK.gather(1, rank_TK)), ~kept_TK
+
+
+@dataclass(frozen=True)
+class GroupLimit:
+    """DeepSeek-V3's group limit over devices: the ``topk_group`` devices with the highest
+    sum of their two best selection scores, then the top-k inside them (see module).
+    ``weight_rule``: ``renormalize`` (default: DeepSeek-V3 renormalises the weights of
+    whatever it chose, and a rescale to the original sum is that renormalisation under a
+    renormalising rule) | ``own`` | ``replaced``."""
+
+    topk_group: int
+    weight_rule: str = "renormalize"
+    takes_choice = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.topk_group, bool) or not isinstance(self.topk_group, int) or self.topk_group < 1:
+            raise ValueError(f"system.topk_group={self.topk_group!r}: allowed values are integers >= 1 "
+                             "(devices per token)")
+        _check_choice("weight_rule", self.weight_rule, WEIGHT_RULES)
+
+    def allowed_experts(self, choice_TE: torch.Tensor, placement: Placement) -> torch.Tensor:
+        """Experts each token may use: [T, E] -> [T, E] bool (in expert order)."""
+        order_E = placement.global_order().to(choice_TE.device)
+        grouped_TE = group_mask(choice_TE.detach()[:, order_E], placement.num_devices, self.topk_group)
+        return torch.empty_like(grouped_TE).scatter_(1, order_E.expand_as(grouped_TE), grouped_TE)
+
+    def __call__(self, probs_TE, topk_ids_TK, topk_weights_TK, placement, choice_TE=None):
+        _check_inputs(probs_TE, topk_ids_TK, placement, self.topk_group)
+        if self.topk_group >= placement.num_devices:      # every device: no limit
+            return topk_ids_TK, topk_weights_TK
+        choice_TE = probs_TE if choice_TE is None else choice_TE
+        allowed_TE = self.allowed_experts(choice_TE, placement)
+        ids_out_TK, replaced_TK = _rechoose(choice_TE.detach().masked_fill(~allowed_TE, -torch.inf), topk_ids_TK)
+        return ids_out_TK, _gate_weights(probs_TE, topk_weights_TK, ids_out_TK, replaced_TK, self.weight_rule)
 
 
 @dataclass(frozen=True, eq=False)
