@@ -12,7 +12,7 @@ in one node), so that a system that stages its exchange by node runs each of its
 import pytest
 
 from occult.dist import launch
-from occult.ep import system_config
+from occult.ep import GateRule, system_config
 from occult.parity import TOLERANCE, LayerCase, disagreements, run_grid
 
 from systems import exact_systems
@@ -45,6 +45,11 @@ def cases_for(P: int) -> list:
                 cases.append(LayerCase(E, K, T, routing="one_device", seed=5))   # every token on device 0
         if P > 1 and e <= max(TOPK):
             cases.append(LayerCase(E, e, (6,) * P, routing="uniform", seed=6))   # K = local experts
+    # DeepSeek-V3's router: sigmoid scores, a correction bias in the choice, K = 2 inside the
+    # best 2 of 4 expert groups, weights renormalised and scaled
+    E = EXPERTS[P][0]
+    cases.append(LayerCase(E, 2, (5, 9, 4, 7)[:P] if P > 1 else (11,), routing="router", seed=7, bias=True,
+                           rule=GateRule("sigmoid", True, 2.5, n_group=4, topk_group=2)))
     return cases
 
 

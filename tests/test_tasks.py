@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from occult.ep import Placement, ct_all
 from occult.routing_traces import load_trace, trace_topk
@@ -42,6 +43,38 @@ def test_tasks_write_their_figures_and_traces(tmp_path):
             reported = df[(df.metric == "ct_all") & (df["rank"] == -1) & (df.layer == layer)].value.item()
             assert ct_all(ids, Placement.contiguous(64, 2)) == pytest.approx(reported, abs=1e-12)
             assert logits[layer].shape == (ids.shape[0], 64)
+
+
+@pytest.mark.timeout(600)
+def test_todays_proxies_run_prefill_parity_checked_with_their_own_routers(tmp_path):
+    """The DeepSeek-V3, Qwen3-MoE and Mixtral proxies run prefill with naive and occult at
+    P = 4, each gated by the parity check with the model's own router; DeepSeek-V3's
+    routing trace has every token inside its top-4 of 8 expert groups, and occult sends it
+    fewer dispatch rows than naive (one per token and device, not per token and expert)."""
+    sweep = tmp_path / "sweep"
+    run_py("-m", "task=prefill", "model=deepseek_v3_proxy,qwen3_moe_proxy,mixtral_proxy", "system=naive,occult",
+           "cluster=cpu4", "task.save_routing=true", *TINY, f"hydra.sweep.dir={sweep}", NO_REPORT)
+    runs = {}
+    for path in sweep.rglob("results.parquet"):
+        df = pd.read_parquet(path)
+        runs[(df.model.iloc[0], df.system.iloc[0])] = (df, path.parent)
+    assert set(runs) == {(m, s) for m in ("deepseek_v3_proxy", "qwen3_moe_proxy", "mixtral_proxy")
+                         for s in ("naive", "occult")}
+    for (model, system), (df, _) in runs.items():
+        assert (df[df.metric == "parity_checked"].value == 1).all() and len(df[df.metric == "parity_checked"]), \
+            (model, system)
+        assert len(df[(df.metric == "ttft") & (df["rank"] == -1)]), (model, system)
+    for system in ("naive", "occult"):
+        trace, _ = load_trace(runs[("deepseek_v3_proxy", system)][1])
+        assert set(trace.layer) == {1}                       # the first layer is dense
+        ids_TK, _ = trace_topk(trace, 1)
+        groups_TK = ids_TK // 32                             # 8 groups of 32 experts
+        used = torch.zeros(ids_TK.shape[0], 8, dtype=torch.bool).scatter_(1, groups_TK, True)
+        assert ids_TK.shape[0] == 4 * 2 * 16 and int(used.sum(1).max()) <= 4
+        assert int(used.sum(1).max()) == 4                   # the limit binds somewhere
+    naive_b, occult_b = (runs[("deepseek_v3_proxy", s)][0] for s in ("naive", "occult"))
+    sent = lambda df: df[(df.metric == "rows") & (df.phase == "dispatch")].value.sum()
+    assert 0 < sent(occult_b) < sent(naive_b)
 
 
 @pytest.mark.timeout(600)

@@ -24,8 +24,10 @@ from ..plots import save, style, system_order
 from ..sections import Section
 
 def _budget(run: pd.DataFrame) -> Optional[int]:
-    """system.budget of a run, from its ``system_options`` column (None without one)."""
-    budget = json.loads(run.system_options.iloc[0] or "{}").get("budget")
+    """The run's cap on devices per token, from its ``system_options`` column: pruning's
+    ``budget`` or the group limit's ``topk_group`` (None without one)."""
+    options = json.loads(run.system_options.iloc[0] or "{}")
+    budget = options.get("budget", options.get("topk_group"))
     return None if budget is None else int(budget)
 
 
