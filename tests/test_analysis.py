@@ -386,7 +386,7 @@ def test_profile_schema_names_a_bad_field():
 def test_experiments_compose():
     for name in ("fig1_latency", "fig3_lcc", "table1_ct_runtime", "fig8_pattern", "fig12_scaling", "lossy_front",
                  "default_study", "fig7_pruning", "pruning_no_finetune", "placement_study", "bench",
-                 "calibrate", "exflow_affinity"):
+                 "calibrate", "exflow_affinity", "group_limit", "modern_models", "proxies"):
         cfg = _cfg(f"experiment={name}")
         assert cfg.experiment_name == name                   # each experiment writes its own folder
         assert resolve_builders(cfg.report)
@@ -434,16 +434,18 @@ def test_every_experiments_sweeper_instantiates_and_refers_to_its_points():
             assert job.label == f"score_{job.system.budget}"
 
 
-def finetune_run(run_dir: Path, label: str, system: str, budget, steps: int, pydoc_loss: float, ct: float):
+def finetune_run(run_dir: Path, label: str, system: str, budget, steps: int, pydoc_loss: float, ct: float,
+                 budget_key: str = "budget"):
     """A task=finetune run folder as run.py writes it (the budget in system_options, the arm
     in ``label``, as experiment=fig7_pruning names every point)."""
     rows = [row("train_loss", 6.0, "nats/token", sample=s) for s in range(steps)]
     for corpus, loss in (("pydoc", pydoc_loss), ("shakespeare", 5.0)):
         rows += [row("eval_loss", loss, "nats/token", phase=corpus),
                  row("eval_perplexity", float(np.exp(loss)), "ppl", phase=corpus),
-                 row("eval_accuracy", 1.0 / loss, "ratio", phase=corpus)]
+                 row("eval_accuracy", 1.0 / loss, "ratio", phase=corpus),
+                 row("eval_remote_bytes", 1e6 * ct, "bytes", phase=corpus)]
         rows += [row("ct_all", ct, "devices/token", layer=layer, phase=corpus) for layer in (0, 1)]
-    options = {} if budget is None else {"budget": budget}
+    options = {} if budget is None else {budget_key: budget}
     ctx = {**_context(system, "olmoe_proxy", "finetune", 4, 16, 4, 32, 16, options=options), "label": label,
            "run_id": f"t/{label}"}
     write_results(make_frame(rows, ctx), run_dir)
@@ -465,6 +467,48 @@ def test_fig7_pruning_figure_from_finetune_runs(tmp_path):
                                  "score_1_no_finetune"]        # the reading order, whatever the folders' order
     assert table.loc["similarity_2", "pydoc_loss"] == pytest.approx(5.905)
     assert table.loc["score_1", "ct_all"] == pytest.approx(1.0)
+
+
+def test_group_limit_table_puts_each_arm_before_and_after_fine_tuning_on_one_row(tmp_path):
+    from analysis.figures import group_limit
+    from analysis.load import load_runs
+    arms = [("occult_steps_0", "occult", None, 0, 7.0, 3.6), ("occult_steps_2", "occult", None, 2, 5.9, 3.7),
+            ("group_1_steps_0", "group_limit", 1, 0, 6.8, 1.0), ("group_1_steps_2", "group_limit", 1, 2, 5.95, 1.0),
+            ("group_2_steps_2", "group_limit", 2, 2, 5.92, 2.0),
+            ("score_1_steps_2", "occult_prune_score", 1, 2, 5.97, 1.0)]
+    for i, arm in enumerate(arms):
+        finetune_run(tmp_path / f"run{i}", *arm, budget_key="topk_group" if arm[1] == "group_limit" else "budget")
+    (section,) = group_limit.build(load_runs([tmp_path]), tmp_path)
+    assert (tmp_path / "group_limit.png").is_file() and (tmp_path / "group_limit.md").is_file()
+    table = dict(section.tables)["group_limit"]
+    assert list(zip(table.system, table.devices_cap.fillna(0))) == [
+        ("occult", 0), ("group_limit", 1), ("group_limit", 2), ("occult_prune_score", 1)]
+    g1 = table[(table.system == "group_limit") & (table.devices_cap == 1)].iloc[0]
+    assert (g1.pydoc_loss_before, g1.pydoc_loss_after) == (pytest.approx(6.8), pytest.approx(5.95))
+    assert g1.ct_all == pytest.approx(1.0) and g1.remote_MB == pytest.approx(2.0)     # two domains, 1 MB each
+    g2 = table[(table.system == "group_limit") & (table.devices_cap == 2)].iloc[0]
+    assert np.isnan(g2.pydoc_loss_before) and g2.pydoc_loss_after == pytest.approx(5.92)
+
+
+def test_proxies_table_has_a_row_per_pretrained_proxy_with_its_router(tmp_path):
+    from analysis.figures import proxies
+    from analysis.load import load_runs
+    for name, loss, layers in (("deepseek_v3_proxy", 4.6, (1, 2, 3)), ("mixtral_proxy", 4.9, (0, 1, 2, 3))):
+        rows = [row("val_loss", loss, "nats/token", rank=0), row("val_perplexity", float(np.exp(loss)), "ratio", rank=0),
+                row("val_accuracy", 0.2, "ratio", rank=0), row("wall_time", 300.0, "s", rank=0),
+                row("parameters", 9.9e6, "params", rank=0), row("unigram_val_loss", 6.3, "nats/token", rank=0)]
+        for layer in layers:
+            rows += [row("experts_never_chosen", float(layer == 1), "experts", layer=layer, rank=0),
+                     row("expert_load_max_over_mean", 1.5 + layer / 10, "ratio", layer=layer, rank=0)]
+        write_results(make_frame(rows, _context("", name, "pretrain", 1, 8, 2, 128, 16)), tmp_path / name)
+    (section,) = proxies.build(load_runs([tmp_path]), tmp_path)
+    table = dict(section.tables)["proxies"].set_index("proxy")
+    v3 = table.loc["deepseek_v3_proxy"]
+    assert (v3.E, v3.K, v3.layers, v3.shared) == (256, 8, "4 (1 dense)", "1")   # from its model config
+    assert v3.router == "sigmoid + correction bias, top-4 of 8 groups, renormalised, x 2.5"
+    assert v3.never_chosen == "1, 0, 0" and v3.busiest_over_mean == "1.60, 1.70, 1.80"
+    assert table.loc["mixtral_proxy", "router"] == "softmax, renormalised"
+    assert (tmp_path / "proxies.md").is_file()
 
 
 def test_fig1_reference_row_is_measured_and_never_projected(tmp_path):
