@@ -63,6 +63,22 @@ def test_unknown_system_lists_the_choices():
     (["system=reference", "task=finetune", "model=olmoe_proxy"], r"task=finetune needs one"),
     (["system=reference", "task=prefill", "model=olmoe_proxy", "+system.flavour=x"],
      r"system.flavour: unknown option of system 'reference'; allowed: \[\]"),
+    # today's models: the router's group limit, a family's fixed rule, the world, whole models
+    (["model=deepseek_v3_proxy", "model.topk_group=9"], r"model.topk_group=9: allowed values are 1..model.n_group=8"),
+    (["model=deepseek_v3_proxy", "model.n_group=64", "model.topk_group=1"],
+     r"model.topk_group=1: 1 group\(s\) x 4 experts cannot hold model.top_k=8; allowed values are 2..64"),
+    (["model=deepseek_v3_proxy", "model.n_group=7"], r"model.n_group=7: allowed values divide model.num_experts=256"),
+    (["model=mixtral_proxy", "model.norm_topk_prob=false"],
+     r"model.norm_topk_prob=False: the mixtral router computes only True; allowed values are \[True\]"),
+    (["model=qwen3_moe_proxy", "model.bias_update_speed=0.001"],
+     r"model.bias_update_speed=0.001: model.family='qwen3_moe' has no correction bias to move"),
+    (["model=deepseek_v3_proxy", "task=prefill", "cluster=cpu2", "cluster.world_size=3"],
+     r"model.num_experts=256 is not divisible by the world size 3"),
+    (["model=gpt_oss", "task=prefill"], r"task=prefill runs a whole model; model.family=gpt_oss is refused: "),
+    (["model=deepseek_v3_proxy", "system=group_limit", "system.topk_group=5"],
+     r"system.topk_group=5: allowed values are 1..4 \(the world size"),
+    (["model=mixtral", "system=group_limit", "system.topk_group=1", "cluster=cpu8"],
+     r"system.topk_group=1: 1 device\(s\) x 1 experts cannot hold top_k=2; allowed values are 2..8"),
 ])
 def test_validation_errors_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
