@@ -30,6 +30,7 @@ import os
 import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 import zlib
@@ -247,8 +248,37 @@ def _init_rank(rank: int, world_size: int, init_method: str, backend: str, timeo
     return _rank_context(rank, world_size, dist.group.WORLD, backend, rank, seed, default_device, layout)
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:             # no /proc: the signal check is all there is
+        return True
+
+
+def watch_launcher(pid: int, every_s: float = 0.5) -> None:
+    """Ends this rank (exit status 1) once the process that launched it is gone: a launcher
+    killed before it could stop its ranks (a signal it cannot catch) leaves no rank
+    computing on. A daemon thread polls ``pid`` every ``every_s`` seconds."""
+    def watch():
+        while _alive(pid):
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="launcher-watch").start()
+
+
 def _worker(rank, world_size, port, backend, timeout_s, threads, seed, default_device, layout, fn, args,
-            results, errors, env=None):
+            results, errors, env=None, launcher_pid=None):
+    if launcher_pid is not None:
+        watch_launcher(launcher_pid)
     try:
         if env is not None:          # the launching process's environment (a rank forked from the server)
             os.environ.clear()
@@ -304,7 +334,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: i
     env = {**os.environ, **added} if ctx.get_start_method() == "forkserver" else None
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world_size, port, backend, collective_timeout_s, threads, seed, default_device,
-                               layout, fn, args, results, errors, env))
+                               layout, fn, args, results, errors, env, os.getpid()))
              for r in range(world_size)]
     os.environ.update(added)                 # spawned children read them when they start
     try:

@@ -37,6 +37,19 @@ def exit_on_rank(ctx, bad_rank: int, peers_wait_in_collective: bool = False):
     time.sleep(60)
 
 
+def watching_threads(ctx):
+    """The names of this rank's threads that watch its launcher."""
+    import threading
+    return [t.name for t in threading.enumerate() if t.name == "launcher-watch"]
+
+
+def watch_then_sleep(ctx, pid: int):
+    """Watches process ``pid`` as a rank watches its launcher, then sleeps (a rank at work)."""
+    from occult.dist import watch_launcher
+    watch_launcher(pid, every_s=0.1)
+    time.sleep(30)
+
+
 def rank_info(ctx):
     return ctx.rank, ctx.world_size, torch.initial_seed(), torch.get_num_threads()
 

@@ -34,3 +34,18 @@ def test_dead_rank_fails_the_run(peers_wait_in_collective):
     report its error before the death is seen)."""
     with pytest.raises(RankFailed, match="rank 0 of 2 died with exit code 3 and no Python traceback; the other"):
         launch(helpers.exit_on_rank, 2, (0, peers_wait_in_collective), timeout_s=40, collective_timeout_s=20)
+
+
+
+@pytest.mark.timeout(60)
+def test_ranks_end_when_their_launcher_is_gone():
+    """A launcher killed by a signal it cannot catch leaves no rank computing on: every
+    rank watches its launcher (a thread), and a rank whose watched process is gone exits."""
+    import subprocess
+    assert launch(helpers.watching_threads, 2, timeout_s=40) == [["launcher-watch"]] * 2
+    gone = subprocess.Popen(["sleep", "0.3"])
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 0 of 1 died with exit code 1"):
+        launch(helpers.watch_then_sleep, 1, (gone.pid,), timeout_s=40)
+    assert time.monotonic() - t0 < 20
+    gone.wait()
