@@ -20,6 +20,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as nnf
 
+from ..ep.router import GateRule
+
 
 @dataclass(frozen=True)
 class Family:
@@ -110,7 +112,6 @@ FAMILIES = {
 def gate_rule(m):
     """The gate rule of a ``model`` config (a DictConfig, a dict or a ModelConf):
     :class:`occult.ep.router.GateRule` from its router fields (defaults: softmax top-k)."""
-    from ..ep.router import GateRule
     get = m.get if hasattr(m, "get") else lambda k, d=None: getattr(m, k, d)
     return GateRule(scoring=get("scoring_func", "softmax"), normalize=bool(get("norm_topk_prob", False)),
                     scaling=float(get("routed_scaling_factor", 1.0)), n_group=int(get("n_group", 1)),
