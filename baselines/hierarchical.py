@@ -52,8 +52,11 @@ import torch
 
 from occult.ep import Exchange, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
 from occult.ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
+from occult.ep.plan import forwarded, metadata_sends, returned, sends
 
 DEDUP = ("none", "node", "device")
+# the dtype of the rows' metadata (gate weights and top-k ids): exact for the ids
+META_DTYPE = torch.float64
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,17 @@ class Units:
     x_UD: torch.Tensor
     w_UK: torch.Tensor
     ids_UK: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Split:
+    """What one stage sends (:func:`split_units`): the unit each row comes from, the unit's
+    expert slots it carries, its destination, and the rows per destination."""
+
+    unit_S: torch.Tensor
+    keep_SK: torch.Tensor
+    dest_S: torch.Tensor
+    send: torch.Tensor     # [P]: rows to each rank; [P, P] with holders: from each holder to each rank
 
 
 @dataclass(frozen=True)
@@ -87,11 +101,12 @@ class HierarchicalHandle:
     recorder: Optional[Recorder]
 
 
-def split_units(ids_UK: torch.Tensor, dest_UK: torch.Tensor, per_pair: bool, world_size: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_units(ids_UK: torch.Tensor, dest_UK: torch.Tensor, per_pair: bool, world_size: int,
+                holder_U: Optional[torch.Tensor] = None) -> Split:
     """The rows one stage sends: one per (unit, expert) (``per_pair``) or one per (unit,
-    destination), ordered by destination. Returns ``unit_S`` (the unit of each row), ``keep_SK``
-    (the unit's expert slots the row carries) and ``send_P`` (rows per destination)."""
+    destination), ordered by destination (:class:`Split`). ``holder_U`` (the plan of units
+    that sit on several ranks): the rank each unit is on; ``send`` is then [P, P], the rows
+    each holder sends to each rank, instead of [P]."""
     U, K = ids_UK.shape
     u_V, k_V = torch.nonzero(ids_UK >= 0, as_tuple=True)
     d_V = dest_UK[u_V, k_V]
@@ -101,8 +116,18 @@ def split_units(ids_UK: torch.Tensor, dest_UK: torch.Tensor, per_pair: bool, wor
     unit_S = (keys_S % span) // K if per_pair else keys_S % span
     keep_SK = torch.zeros(keys_S.numel(), K, dtype=torch.bool, device=ids_UK.device)
     keep_SK[s_V, k_V] = True
-    send_P = torch.bincount(keys_S // max(span, 1), minlength=world_size)
-    return unit_S, keep_SK, send_P
+    dest_S = keys_S // max(span, 1)
+    P = world_size
+    if holder_U is None:
+        return Split(unit_S, keep_SK, dest_S, torch.bincount(dest_S, minlength=P))
+    pair_S = holder_U[unit_S] * P + dest_S
+    return Split(unit_S, keep_SK, dest_S, torch.bincount(pair_S, minlength=P * P).view(P, P))
+
+
+def carried_ids(ids_UK: torch.Tensor, split: Split) -> torch.Tensor:
+    """The top-k ids each sent row carries (-1 in the slots it does not): the units of the
+    next stage."""
+    return torch.where(split.keep_SK, ids_UK[split.unit_S], torch.full_like(split.keep_SK, -1, dtype=torch.long))
 
 
 class HierarchicalDispatcher(SplitDispatcher):
@@ -120,33 +145,41 @@ class HierarchicalDispatcher(SplitDispatcher):
             if self.dedup not in DEDUP:
                 raise ValueError(f"system.dedup={self.dedup!r}: allowed values are {list(DEDUP)}")
 
-    def _destinations(self, ids_UK: torch.Tensor, stage: str) -> torch.Tensor:
+    def _destinations(self, ids_UK: torch.Tensor, stage: str, holder) -> torch.Tensor:
         """Each (unit, expert)'s destination rank at ``stage``: the rail peer in the expert's
-        node (``inter``) or the expert's device (``intra``); -1 where no expert is carried."""
+        node of ``holder``, the rank the unit is on (``inter``), or the expert's device
+        (``intra``); -1 where no expert is carried. ``holder``: a rank, or one per unit [U]."""
         ep, pl = self.ep, self.placement
         device_UK = pl.device_E[ids_UK.clamp(min=0)]
         if stage == "inter":
-            device_UK = device_UK // ep.per_node * ep.per_node + ep.rank % ep.per_node
+            rail = holder.view(-1, 1) % ep.per_node if torch.is_tensor(holder) else holder % ep.per_node
+            device_UK = device_UK // ep.per_node * ep.per_node + rail
         return torch.where(ids_UK >= 0, device_UK, torch.full_like(device_UK, -1))
 
-    def _peers(self, stage: str) -> list:
-        """The ranks this rank talks to at ``stage``: its rail peers (``inter``) or its node."""
-        ep, G = self.ep, self.ep.per_node
-        same = (lambda j: j % G == ep.rank % G) if stage == "inter" else (lambda j: j // G == ep.rank // G)
-        return [same(j) for j in range(ep.world_size)]
+    def _split(self, ids_UK: torch.Tensor, stage: str, holder) -> Split:
+        """What ``stage`` sends of the units ``ids_UK`` on ``holder`` (a rank, or one per unit):
+        the dispatch's split sizes and the plan's, one function."""
+        per_pair = self.config.dedup == "none" or (stage == "intra" and self.config.dedup == "node")
+        return split_units(ids_UK, self._destinations(ids_UK, stage, holder), per_pair, self.ep.world_size,
+                           holder if torch.is_tensor(holder) else None)
+
+    def _peers(self, stage: str, rank: int) -> list:
+        """The ranks ``rank`` talks to at ``stage``: its rail peers (``inter``) or its node."""
+        G = self.ep.per_node
+        same = (lambda j: j % G == rank % G) if stage == "inter" else (lambda j: j // G == rank // G)
+        return [same(j) for j in range(self.ep.world_size)]
 
     def _stage(self, units: Units, stage: str, layer: int, rec) -> tuple[Units, Leg]:
         """Sends ``units`` one stage on (``inter`` or ``intra``); returns the received units."""
         K = units.ids_UK.shape[1]
-        per_pair = self.config.dedup == "none" or (stage == "intra" and self.config.dedup == "node")
-        unit_S, keep_SK, send_P = split_units(units.ids_UK, self._destinations(units.ids_UK, stage), per_pair,
-                                              self.ep.world_size)
-        recv_P = exchange_counts(send_P.view(-1, 1), self.ep, Exchange(layer, f"counts_{stage}", rec),
-                                 self._peers(stage))
+        split = self._split(units.ids_UK, stage, self.ep.rank)
+        unit_S, keep_SK = split.unit_S, split.keep_SK
+        recv_P = exchange_counts(split.send.view(-1, 1), self.ep, Exchange(layer, f"counts_{stage}", rec),
+                                 self._peers(stage, self.ep.rank))
         # device-to-host sync: split sizes go to the collectives as Python ints
-        send, recv = send_P.tolist(), recv_P.flatten().tolist()
-        ids_SK = torch.where(keep_SK, units.ids_UK[unit_S], torch.full_like(keep_SK, -1, dtype=torch.long))
-        meta_SX = torch.cat([units.w_UK[unit_S] * keep_SK, ids_SK.to(torch.float64)], dim=1)
+        send, recv = split.send.tolist(), recv_P.flatten().tolist()
+        ids_SK = carried_ids(units.ids_UK, split)
+        meta_SX = torch.cat([units.w_UK[unit_S] * keep_SK, ids_SK.to(META_DTYPE)], dim=1)
         x_RD = all_to_all_rows(gather_rows(units.x_UD, unit_S), send, recv, self.ep,
                                Exchange(layer, f"dispatch_{stage}", rec))
         meta_RX = all_to_all_rows(meta_SX, send, recv, self.ep,
@@ -174,6 +207,34 @@ class HierarchicalDispatcher(SplitDispatcher):
         weight_Q = units.w_UK[row_Q, k_Q].to(x_TD.dtype)
         handle = HierarchicalHandle(tuple(legs), row_Q, weight_Q, units.x_UD.shape[0], layer, recorder)
         return gather_rows(units.x_UD, row_Q), counts_e, handle
+
+    def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
+        """Each stage's ``counts_*`` (one int64 per peer of the stage), ``dispatch_*`` and
+        ``dispatch_*_meta`` (2K values of float64 per row), then the ``combine_*`` stages in
+        reverse order, each its dispatch returned. The first stage's units are this rank's
+        tokens; the second's are the rows the first sent, on the ranks that received them
+        (the units a rail peer forwards), split by the same function as at run time."""
+        P, K = self.ep.world_size, topk_ids_TK.shape[1]
+        x_bytes, meta_bytes = shape.bytes_of(shape.hidden), 2 * K * META_DTYPE.itemsize
+        ids_UK, holder, out, at = topk_ids_TK, rank, [], []
+        for stage in self._stages():
+            split = self._split(ids_UK, stage, holder)
+            if torch.is_tensor(holder):      # rows other ranks send on: the block of those ranks
+                src_S = torch.unique(holder)
+                rows = [forwarded(f"dispatch_{stage}", src_S, split.send[src_S], x_bytes),
+                        forwarded(f"dispatch_{stage}_meta", src_S, split.send[src_S], meta_bytes,
+                                  meta_row_bytes=meta_bytes)]
+            else:
+                rows = [sends(f"dispatch_{stage}", rank, split.send, x_bytes),
+                        sends(f"dispatch_{stage}_meta", rank, split.send, meta_bytes, meta_row_bytes=meta_bytes)]
+            out.append(metadata_sends(f"counts_{stage}", rank, [int(p) for p in self._peers(stage, rank)],
+                                      split.send.element_size()))
+            at.append((stage, len(out)))
+            out += rows
+            ids_UK, holder = carried_ids(ids_UK, split), split.dest_S
+        for stage, i in reversed(at):
+            out.append(returned(f"combine_{stage}", len(out) - i, x_bytes))
+        return out
 
     def combine(self, y_QD, handle: HierarchicalHandle):
         rec, layer = handle.recorder, handle.layer
