@@ -56,14 +56,25 @@ def routed_experts(x_TD: torch.Tensor, probs_TE: torch.Tensor, topk_ids_TK: torc
     """The routed part of every EP MoE layer, after the router: the routing transform
     (the layer's own, else the system's), then the system's ``forward_moe``: [T, D] -> [T, D]."""
     rec, li = recorder, layer_idx
-    transform = transform or dispatcher.routing_transform(layer_idx)
-    if transform is not None:
+    if (transform or dispatcher.routing_transform(li)) is not None:
         with span(rec, li, "route"):
-            topk_ids_TK, topk_weights_TK = transform(probs_TE, topk_ids_TK, topk_weights_TK,
-                                                     dispatcher.placement)
+            topk_ids_TK, topk_weights_TK = transformed_routing(dispatcher, li, probs_TE, topk_ids_TK,
+                                                               topk_weights_TK, transform)
     if rec is not None:
         rec.log_routing(li, topk_ids_TK, topk_weights_TK, logits_TE)
     return dispatcher.forward_moe(x_TD, topk_ids_TK, topk_weights_TK, experts, layer=li, recorder=rec)
+
+
+def transformed_routing(dispatcher: Dispatcher, layer_idx: int, probs_TE: Optional[torch.Tensor],
+                        topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                        transform: Optional[RoutingTransform] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing the system's exchange runs with: the router's top-k ids and weights after
+    the routing transform (the layer's own, else the system's; none: unchanged). Also what
+    the traffic simulator plans with (:mod:`occult.ep.plan`)."""
+    transform = transform or dispatcher.routing_transform(layer_idx)
+    if transform is None:
+        return topk_ids_TK, topk_weights_TK
+    return transform(probs_TE, topk_ids_TK, topk_weights_TK, dispatcher.placement)
 
 
 def reference_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
