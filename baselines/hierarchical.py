@@ -127,7 +127,7 @@ def split_units(ids_UK: torch.Tensor, dest_UK: torch.Tensor, per_pair: bool, wor
 def carried_ids(ids_UK: torch.Tensor, split: Split) -> torch.Tensor:
     """The top-k ids each sent row carries (-1 in the slots it does not): the units of the
     next stage."""
-    return torch.where(split.keep_SK, ids_UK[split.unit_S], torch.full_like(split.keep_SK, -1, dtype=torch.long))
+    return ids_UK[split.unit_S].masked_fill_(~split.keep_SK, -1)
 
 
 class HierarchicalDispatcher(SplitDispatcher):
@@ -154,7 +154,7 @@ class HierarchicalDispatcher(SplitDispatcher):
         if stage == "inter":
             rail = holder.view(-1, 1) % ep.per_node if torch.is_tensor(holder) else holder % ep.per_node
             device_UK = device_UK // ep.per_node * ep.per_node + rail
-        return torch.where(ids_UK >= 0, device_UK, torch.full_like(device_UK, -1))
+        return device_UK.masked_fill_(ids_UK < 0, -1)
 
     def _split(self, ids_UK: torch.Tensor, stage: str, holder) -> Split:
         """What ``stage`` sends of the units ``ids_UK`` on ``holder`` (a rank, or one per unit):
@@ -217,7 +217,8 @@ class HierarchicalDispatcher(SplitDispatcher):
         P, K = self.ep.world_size, topk_ids_TK.shape[1]
         x_bytes, meta_bytes = shape.bytes_of(shape.hidden), 2 * K * META_DTYPE.itemsize
         ids_UK, holder, out, at = topk_ids_TK, rank, [], []
-        for stage in self._stages():
+        stages = self._stages()
+        for n, stage in enumerate(stages):
             split = self._split(ids_UK, stage, holder)
             if torch.is_tensor(holder):      # rows other ranks send on: the block of those ranks
                 src_S = torch.unique(holder)
@@ -231,7 +232,8 @@ class HierarchicalDispatcher(SplitDispatcher):
                                       split.send.element_size()))
             at.append((stage, len(out)))
             out += rows
-            ids_UK, holder = carried_ids(ids_UK, split), split.dest_S
+            if n + 1 < len(stages):          # the next stage's units
+                ids_UK, holder = carried_ids(ids_UK, split), split.dest_S
         for stage, i in reversed(at):
             out.append(returned(f"combine_{stage}", len(out) - i, x_bytes))
         return out

@@ -204,8 +204,9 @@ def traffic_of(events: Sequence[CommEvent]) -> dict:
     out: dict = {}
     for ev in events:
         key = (ev.layer, ev.phase, ev.direction, ev.collective)
-        calls, rows, nbytes, meta = out.get(key, (0, None, None, None))
-        r = torch.tensor(ev.rows_P, dtype=torch.long, device="cpu")
-        add = lambda acc, v: v if acc is None else acc + v
-        out[key] = (calls + 1, add(rows, r), add(nbytes, r * ev.row_bytes), add(meta, r * ev.meta_row_bytes))
-    return {k: (c, r.tolist(), b.tolist(), m.tolist()) for k, (c, r, b, m) in out.items()}
+        calls, rows, nbytes, meta = out.get(key, (0, [0] * len(ev.rows_P), [0] * len(ev.rows_P),
+                                                  [0] * len(ev.rows_P)))
+        out[key] = (calls + 1, [a + r for a, r in zip(rows, ev.rows_P)],
+                    [a + r * ev.row_bytes for a, r in zip(nbytes, ev.rows_P)],
+                    [a + r * ev.meta_row_bytes for a, r in zip(meta, ev.rows_P)])
+    return out

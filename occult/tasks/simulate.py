@@ -80,6 +80,10 @@ def check_source(task, cfg) -> None:
     trace of this model's layers, K and E (and router logits where the system's routing
     transform reads router probabilities). One line each (:class:`ConfigError`)."""
     m = cfg.model
+    refusal = system_config(cfg.system).plan_refusal()
+    if refusal:
+        raise ConfigError(f"system={cfg.system.name} has no traffic plan: {refusal}; systems with one: "
+                          f"{planned_systems()}")
     if task.routing == "router" and not m.family:
         raise ConfigError(f"task.routing=router routes held-out text through the model's routers; model={m.name} "
                           "is a layer-only config (no model.family): use task.routing=uniform, zipf or trace")
@@ -105,6 +109,20 @@ def check_source(task, cfg) -> None:
         raise ConfigError(f"system={cfg.system.name} applies a routing transform that reads router probabilities; "
                           f"task.trace={task.trace!r} has no router logits (a run with task.save_routing=true on a "
                           "whole model writes them)")
+
+
+def planned_systems() -> list:
+    """The conf/system names of the systems that have a traffic plan."""
+    import yaml
+
+    from .. import CONF_DIR
+
+    out = []
+    for path in sorted((CONF_DIR / "system").glob("*.yaml")):
+        config = system_config(yaml.safe_load(path.read_text()))
+        if config.expert_parallel and not config.plan_refusal():
+            out.append(path.stem)
+    return out
 
 
 def _transform_of(cfg, layer: int):
