@@ -154,23 +154,46 @@ def simulate_cfg(*overrides):
     return cfg_with("task=simulate", "task.routing=uniform", *overrides)
 
 
+def simulated_rows(*overrides) -> pd.DataFrame:
+    """task=simulate's rank function in this process (what the runner's one process runs)."""
+    from omegaconf import OmegaConf
+
+    from occult.dist import RankContext
+    from occult.ep.comm import EPGroup
+    from occult.tasks.simulate import run_rank
+    cfg = OmegaConf.to_container(simulate_cfg(*overrides), resolve=True)
+    return pd.DataFrame(run_rank(RankContext(0, 1, EPGroup(), 0), cfg))
+
+
 @pytest.mark.timeout(120)
-def test_simulate_writes_a_world_of_64_ranks_from_one_process(tmp_path):
-    from occult.runner import run
-    cfg = simulate_cfg("cluster.world_size=64", "cluster.devices_per_node=8", "system=occult",
-                       "task.tokens_per_rank=32", f"out_dir={tmp_path}")
-    df = pd.read_parquet(run(cfg, tmp_path))
-    assert set(df.clock) == {"simulated"} and set(df.world_size) == {64} and set(df.devices_per_node) == {8}
+def test_simulate_plans_a_world_of_64_ranks_in_one_process():
+    df = simulated_rows("cluster.world_size=64", "cluster.devices_per_node=8", "system=occult",
+                        "task.tokens_per_rank=32")
     assert not {"time", "a2a_time", "a2a_wait"} & set(df.metric)
     sent = df[(df.metric == "rows") & (df.phase == "dispatch") & (df["pass"] == "forward")]
     assert len(sent) == 64 * 64 and set(sent.src_rank) == set(range(64))
     got = df[(df.metric == "received_rows") & (df.phase == "dispatch") & (df["pass"] == "forward")]
     assert got.value.sum() == sent.value.sum() > 0
     assert set(df[df.metric == "ct_all"]["rank"]) == set(range(-1, 64))
-    for metric in ("planning_time", "planning_peak_memory", "inter_node_bytes", "all_to_all_calls"):
+    for metric in ("planning_time", "planning_peak_memory", "intra_node_bytes", "inter_node_bytes",
+                   "all_to_all_calls", "rows_per_token"):
         assert metric in set(df.metric), metric
     back = df[(df.metric == "rows") & (df.phase == "combine") & (df["pass"] == "backward")]
     assert back.value.sum() == sent.value.sum()          # the combine's backward is the dispatch again
+    # intra + inter-node bytes are the bytes each rank sends to other ranks
+    remote = df[(df.metric == "bytes") & (df.src_rank != df.dst_rank)].value.sum()
+    assert df[df.metric.isin(["intra_node_bytes", "inter_node_bytes"])].value.sum() == remote
+
+
+@pytest.mark.timeout(120)
+def test_simulate_runs_in_one_process_and_labels_its_rows_simulated(tmp_path):
+    from occult.runner import run
+    cfg = simulate_cfg("cluster.world_size=8", "cluster.devices_per_node=4", "system=hierarchical",
+                       "task.tokens_per_rank=16", "task.peer_rows=false", f"out_dir={tmp_path}")
+    df = pd.read_parquet(run(cfg, tmp_path))
+    assert set(df.clock) == {"simulated"} and set(df.world_size) == {8} and set(df.devices_per_node) == {4}
+    assert "rows" not in set(df.metric) and (df.metric == "inter_node_bytes").any()      # per-rank totals only
+    assert set(df[df.metric == "received_rows"]["rank"]) == set(range(8))
 
 
 def _trace(folder, layers=(0,), expert=3, top_k=8) -> str:

@@ -43,7 +43,9 @@ def test_tasks_write_their_figures_and_traces(tmp_path):
             assert ct_all(ids, Placement.contiguous(64, 2)) == pytest.approx(reported, abs=1e-12)
             assert logits[layer].shape == (ids.shape[0], 64)
         if task != "decode":        # decode's trace holds every step's tokens of one layer together
-            assert simulated_traffic(run_dir, backward=task == "train") == logged_traffic(df), task
+            logged = logged_traffic(df)
+            assert simulated_traffic(run_dir, backward=task == "train") == logged, task
+            assert any(k[3] == "backward" for k in logged) == (task == "train") and len(logged) > 100, task
 
 
 TRAFFIC_METRICS = ("rows", "bytes", "meta_bytes", "all_to_all_calls")
@@ -67,7 +69,7 @@ def simulated_traffic(run_dir: Path, backward: bool) -> dict:
     from test_task_options import cfg_with
 
     cfg = cfg_with("model=olmoe_proxy", "system=occult", "cluster=cpu2", "task=simulate", "task.routing=trace",
-                   f"task.trace={run_dir}", f"task.backward={backward}", "task.tokens_per_rank=32",
+                   f"task.trace='{run_dir}'", f"task.backward={backward}", "task.tokens_per_rank=32",
                    *[o for o in TINY if o.startswith("model.")])
     rows = run_rank(RankContext(0, 1, EPGroup(), 0), OmegaConf.to_container(cfg, resolve=True))
     return logged_traffic(pd.DataFrame(rows))
