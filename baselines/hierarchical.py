@@ -71,13 +71,23 @@ class Units:
 
 @dataclass(frozen=True)
 class Split:
-    """What one stage sends (:func:`split_units`): the unit each row comes from, the unit's
-    expert slots it carries, its destination, and the rows per destination."""
+    """What one stage sends (:func:`split_pairs`): the unit each row comes from, its
+    destination and the rows per destination; and the (unit, expert slot) pairs it was made
+    of, with the row that carries each (``row_V``, ``slot_V``, ``id_V``: the pair's expert)."""
 
     unit_S: torch.Tensor
-    keep_SK: torch.Tensor
     dest_S: torch.Tensor
     send: torch.Tensor     # [P]: rows to each rank; [P, P] with holders: from each holder to each rank
+    row_V: torch.Tensor
+    slot_V: torch.Tensor
+    id_V: torch.Tensor
+    top_k: int
+
+    def keep_SK(self) -> torch.Tensor:
+        """The expert slots each row carries (bool [S, K])."""
+        keep_SK = torch.zeros(self.unit_S.numel(), self.top_k, dtype=torch.bool, device=self.unit_S.device)
+        keep_SK[self.row_V, self.slot_V] = True
+        return keep_SK
 
 
 @dataclass(frozen=True)
@@ -103,31 +113,37 @@ class HierarchicalHandle:
 
 def split_units(ids_UK: torch.Tensor, dest_UK: torch.Tensor, per_pair: bool, world_size: int,
                 holder_U: Optional[torch.Tensor] = None) -> Split:
-    """The rows one stage sends: one per (unit, expert) (``per_pair``) or one per (unit,
-    destination), ordered by destination (:class:`Split`). ``holder_U`` (the plan of units
-    that sit on several ranks): the rank each unit is on; ``send`` is then [P, P], the rows
-    each holder sends to each rank, instead of [P]."""
-    U, K = ids_UK.shape
+    """The rows one stage sends of units ``ids_UK`` (-1: a slot the unit does not carry) whose
+    pairs go to ``dest_UK``: :func:`split_pairs` of their carried pairs."""
     u_V, k_V = torch.nonzero(ids_UK >= 0, as_tuple=True)
-    d_V = dest_UK[u_V, k_V]
+    return split_pairs(u_V, k_V, ids_UK[u_V, k_V], dest_UK[u_V, k_V], ids_UK.shape, per_pair, world_size, holder_U)
+
+
+def split_pairs(u_V: torch.Tensor, k_V: torch.Tensor, id_V: torch.Tensor, d_V: torch.Tensor, shape_UK: tuple,
+                per_pair: bool, world_size: int, holder_U: Optional[torch.Tensor] = None) -> Split:
+    """The rows one stage sends: one per (unit, expert) (``per_pair``) or one per (unit,
+    destination), ordered by destination (:class:`Split`), from the stage's (unit, slot)
+    pairs (``u_V``, ``k_V``; expert ``id_V``, destination ``d_V``) of units [U, K]
+    (``shape_UK``). ``holder_U`` (the plan of units that sit on several ranks): the rank each
+    unit is on; ``send`` is then [P, P], the rows each holder sends to each rank, not [P]."""
+    U, K = shape_UK
     span = U * K if per_pair else U
     key_V = d_V * span + (u_V * K + k_V if per_pair else u_V)
     keys_S, s_V = torch.unique(key_V, sorted=True, return_inverse=True)
     unit_S = (keys_S % span) // K if per_pair else keys_S % span
-    keep_SK = torch.zeros(keys_S.numel(), K, dtype=torch.bool, device=ids_UK.device)
-    keep_SK[s_V, k_V] = True
     dest_S = keys_S // max(span, 1)
     P = world_size
     if holder_U is None:
-        return Split(unit_S, keep_SK, dest_S, torch.bincount(dest_S, minlength=P))
-    pair_S = holder_U[unit_S] * P + dest_S
-    return Split(unit_S, keep_SK, dest_S, torch.bincount(pair_S, minlength=P * P).view(P, P))
+        send = torch.bincount(dest_S, minlength=P)
+    else:
+        send = torch.bincount(holder_U[unit_S] * P + dest_S, minlength=P * P).view(P, P)
+    return Split(unit_S, dest_S, send, s_V, k_V, id_V, K)
 
 
-def carried_ids(ids_UK: torch.Tensor, split: Split) -> torch.Tensor:
+def carried_ids(ids_UK: torch.Tensor, unit_S: torch.Tensor, keep_SK: torch.Tensor) -> torch.Tensor:
     """The top-k ids each sent row carries (-1 in the slots it does not): the units of the
     next stage."""
-    return ids_UK[split.unit_S].masked_fill_(~split.keep_SK, -1)
+    return ids_UK[unit_S].masked_fill_(~keep_SK, -1)
 
 
 class HierarchicalDispatcher(SplitDispatcher):
@@ -148,20 +164,32 @@ class HierarchicalDispatcher(SplitDispatcher):
     def _destinations(self, ids_UK: torch.Tensor, stage: str, holder) -> torch.Tensor:
         """Each (unit, expert)'s destination rank at ``stage``: the rail peer in the expert's
         node of ``holder``, the rank the unit is on (``inter``), or the expert's device
-        (``intra``); -1 where no expert is carried. ``holder``: a rank, or one per unit [U]."""
+        (``intra``); -1 where no expert is carried. ``holder``: a rank, or a tensor of ranks
+        of ``ids_UK``'s shape (any shape: units [U, K] or pairs [V])."""
         ep, pl = self.ep, self.placement
         device_UK = pl.device_E[ids_UK.clamp(min=0)]
         if stage == "inter":
-            rail = holder.view(-1, 1) % ep.per_node if torch.is_tensor(holder) else holder % ep.per_node
-            device_UK = device_UK // ep.per_node * ep.per_node + rail
+            device_UK = device_UK // ep.per_node * ep.per_node + holder % ep.per_node
         return device_UK.masked_fill_(ids_UK < 0, -1)
 
-    def _split(self, ids_UK: torch.Tensor, stage: str, holder) -> Split:
-        """What ``stage`` sends of the units ``ids_UK`` on ``holder`` (a rank, or one per unit):
-        the dispatch's split sizes and the plan's, one function."""
-        per_pair = self.config.dedup == "none" or (stage == "intra" and self.config.dedup == "node")
-        return split_units(ids_UK, self._destinations(ids_UK, stage, holder), per_pair, self.ep.world_size,
-                           holder if torch.is_tensor(holder) else None)
+    def _per_pair(self, stage: str) -> bool:
+        """Whether ``stage`` sends a row per (unit, expert) rather than per (unit, destination)."""
+        return self.config.dedup == "none" or (stage == "intra" and self.config.dedup == "node")
+
+    def _split(self, ids_UK: torch.Tensor, stage: str, rank: int) -> Split:
+        """What ``stage`` sends of the units ``ids_UK`` on rank ``rank``: the dispatch's split
+        sizes, and the plan's of a rank's own tokens."""
+        return split_units(ids_UK, self._destinations(ids_UK, stage, rank), self._per_pair(stage),
+                           self.ep.world_size)
+
+    def _forwarded(self, sent: Split, stage: str) -> Split:
+        """What ``stage`` sends of the rows an earlier stage sent (``sent``), each on the rank
+        that received it: the same split of the same pairs as the receivers' :meth:`_split`
+        of the units they got, with each row's receiver as its holder (the plan's)."""
+        holder_V = sent.dest_S[sent.row_V]
+        d_V = self._destinations(sent.id_V, stage, holder_V)
+        return split_pairs(sent.row_V, sent.slot_V, sent.id_V, d_V, (sent.unit_S.numel(), sent.top_k),
+                           self._per_pair(stage), self.ep.world_size, sent.dest_S)
 
     def _peers(self, stage: str, rank: int) -> list:
         """The ranks ``rank`` talks to at ``stage``: its rail peers (``inter``) or its node."""
@@ -173,12 +201,12 @@ class HierarchicalDispatcher(SplitDispatcher):
         """Sends ``units`` one stage on (``inter`` or ``intra``); returns the received units."""
         K = units.ids_UK.shape[1]
         split = self._split(units.ids_UK, stage, self.ep.rank)
-        unit_S, keep_SK = split.unit_S, split.keep_SK
+        unit_S, keep_SK = split.unit_S, split.keep_SK()
         recv_P = exchange_counts(split.send.view(-1, 1), self.ep, Exchange(layer, f"counts_{stage}", rec),
                                  self._peers(stage, self.ep.rank))
         # device-to-host sync: split sizes go to the collectives as Python ints
         send, recv = split.send.tolist(), recv_P.flatten().tolist()
-        ids_SK = carried_ids(units.ids_UK, split)
+        ids_SK = carried_ids(units.ids_UK, unit_S, keep_SK)
         meta_SX = torch.cat([units.w_UK[unit_S] * keep_SK, ids_SK.to(META_DTYPE)], dim=1)
         x_RD = all_to_all_rows(gather_rows(units.x_UD, unit_S), send, recv, self.ep,
                                Exchange(layer, f"dispatch_{stage}", rec))
@@ -214,26 +242,24 @@ class HierarchicalDispatcher(SplitDispatcher):
         reverse order, each its dispatch returned. The first stage's units are this rank's
         tokens; the second's are the rows the first sent, on the ranks that received them
         (the units a rail peer forwards), split by the same function as at run time."""
-        P, K = self.ep.world_size, topk_ids_TK.shape[1]
+        K = topk_ids_TK.shape[1]
         x_bytes, meta_bytes = shape.bytes_of(shape.hidden), 2 * K * META_DTYPE.itemsize
-        ids_UK, holder, out, at = topk_ids_TK, rank, [], []
-        stages = self._stages()
-        for n, stage in enumerate(stages):
-            split = self._split(ids_UK, stage, holder)
-            if torch.is_tensor(holder):      # rows other ranks send on: the block of those ranks
-                src_S = torch.unique(holder)
+        out, at, split = [], [], None
+        for stage in self._stages():
+            if split is None:                # this rank's tokens
+                split = self._split(topk_ids_TK, stage, rank)
+                rows = [sends(f"dispatch_{stage}", rank, split.send, x_bytes),
+                        sends(f"dispatch_{stage}_meta", rank, split.send, meta_bytes, meta_row_bytes=meta_bytes)]
+            else:                            # the rows the first stage sent, sent on by their receivers
+                src_S = torch.unique(split.dest_S)          # the receivers that forward
+                split = self._forwarded(split, stage)
                 rows = [forwarded(f"dispatch_{stage}", src_S, split.send[src_S], x_bytes),
                         forwarded(f"dispatch_{stage}_meta", src_S, split.send[src_S], meta_bytes,
                                   meta_row_bytes=meta_bytes)]
-            else:
-                rows = [sends(f"dispatch_{stage}", rank, split.send, x_bytes),
-                        sends(f"dispatch_{stage}_meta", rank, split.send, meta_bytes, meta_row_bytes=meta_bytes)]
             out.append(metadata_sends(f"counts_{stage}", rank, [int(p) for p in self._peers(stage, rank)],
                                       split.send.element_size()))
             at.append((stage, len(out)))
             out += rows
-            if n + 1 < len(stages):          # the next stage's units
-                ids_UK, holder = carried_ids(ids_UK, split), split.dest_S
         for stage, i in reversed(at):
             out.append(returned(f"combine_{stage}", len(out) - i, x_bytes))
         return out

@@ -287,7 +287,7 @@ def run_rank(ctx, cfg_dict: dict) -> list:
             world = plan_world(dispatcher, routing, shape, training=t.backward, backward=t.backward)
         rows += [row("planning_time", sw.seconds * 1e3, "ms", layer=layer, phase="plan"),
                  row("planning_peak_memory", mem.peak, "bytes", layer=layer, phase="plan"),
-                 row("planning_added_memory", mem.peak - mem.start if mem.peak >= 0 else -1, "bytes",
+                 row("planning_added_memory", max(mem.peak - mem.start, 0) if mem.peak >= 0 else -1, "bytes",
                      layer=layer, phase="plan")]
         rows += layer_rows(cfg, world, routing, dispatcher.placement, layer)
     return rows
