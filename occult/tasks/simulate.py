@@ -44,6 +44,7 @@ Shapes: N source tokens, W = T P world tokens, T tokens of a rank, K top-k, E ex
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -264,8 +265,27 @@ def layer_rows(cfg, world: list, routing: list, placement, layer: int) -> list:
     return out
 
 
+@contextmanager
+def one_thread():
+    """Torch's intra-op threads at one for the block (restored after): planning is many small
+    operations per rank, for which more threads cost more than they save (a 256-rank layer
+    took 0.75 s at one thread and 4 s at two on this project's 2-core machine, both cores busy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_rank(ctx, cfg_dict: dict) -> list:
-    """The whole simulated world on this one process; returns its rows."""
+    """The whole simulated world on this one process, at one intra-op thread; returns its rows."""
+    with one_thread():
+        return _simulate(ctx, cfg_dict)
+
+
+def _simulate(ctx, cfg_dict: dict) -> list:
+    """:func:`run_rank`'s work: every MoE layer's routing, world plan and rows."""
     cfg = OmegaConf.create(cfg_dict)
     m, t, c = cfg.model, cfg.task, cfg.cluster
     if ctx.world_size != 1:
