@@ -40,8 +40,14 @@ it is naive EP (``none``) or an Occult-like per-device exchange (``device``).
 Exact top-k MoE: every (token, expert) pair is computed once, weighted once, and the
 partial sums are regroupings of the same terms.
 
+The plan (:meth:`HierarchicalDispatcher.plan`) splits the first stage of a rank's tokens
+with the dispatch's function, and the second from the (unit, slot) pairs the first stage's
+rows carry, each on the rank that receives it: what that rank's dispatch splits of the units
+it gets (:func:`split_pairs`, which :func:`split_units` runs on them).
+
 Shapes: T tokens, K top-k, D hidden, P ranks, e local experts, U units a stage starts
-from (its rows), S rows a stage sends, Q (row, local expert) pairs on the expert's device.
+from (its rows), S rows a stage sends, V (unit, slot) pairs a stage carries, Q (row, local
+expert) pairs on the expert's device.
 """
 from __future__ import annotations
 

@@ -92,8 +92,10 @@ class Planned:
 
 def sends(phase: str, rank: int, rows_P, row_bytes: int, *, kind: str = ALL_TO_ALL, meta_row_bytes: int = 0,
           differentiable: bool = True) -> Planned:
-    """A collective in which this rank sends ``rows_P[j]`` rows to rank j (a tensor or list)."""
-    rows_1P = torch.as_tensor(rows_P, dtype=torch.long).reshape(1, -1)
+    """A collective in which this rank sends ``rows_P[j]`` rows to rank j (a tensor, or a
+    list: host integers)."""
+    device = rows_P.device if torch.is_tensor(rows_P) else "cpu"
+    rows_1P = torch.as_tensor(rows_P, dtype=torch.long, device=device).reshape(1, -1)
     src_1 = torch.tensor([rank], dtype=torch.long, device=rows_1P.device)
     return Planned(phase, kind, row_bytes, meta_row_bytes, differentiable, (src_1, rows_1P))
 
@@ -132,10 +134,11 @@ class WorldCollective:
     meta_row_bytes: int
 
 
-def world_traffic(plans: Sequence[Sequence[Planned]], world_size: int, backward: bool = True
-                  ) -> list[WorldCollective]:
-    """Every rank's plan (``plans[r]``: rank r's) added up: the world's collectives, forward
-    then (``backward``) the backward's, each the transpose of a differentiable forward one."""
+def world_traffic(plans: Sequence[Sequence[Planned]], world_size: int, backward: bool = True,
+                  device="cpu") -> list[WorldCollective]:
+    """Every rank's plan (``plans[r]``: rank r's) added up on ``device``: the world's
+    collectives, forward then (``backward``) the backward's, each the transpose of a
+    differentiable forward one."""
     if len(plans) != world_size:
         raise ValueError(f"world_traffic: {len(plans)} plans for a world of {world_size} ranks")
     keys = [p.key() for p in plans[0]]
@@ -144,7 +147,6 @@ def world_traffic(plans: Sequence[Sequence[Planned]], world_size: int, backward:
             raise ValueError(f"world_traffic: rank {rank}'s plan lists other collectives than rank 0's "
                              f"({[p.key() for p in plan]} != {keys}); every rank runs the same collectives")
     P = world_size
-    device = _device_of(plans)
     forward: list[WorldCollective] = []
     for i, first in enumerate(plans[0]):
         if first.back:
@@ -167,14 +169,6 @@ def world_traffic(plans: Sequence[Sequence[Planned]], world_size: int, backward:
     return out
 
 
-def _device_of(plans) -> torch.device:
-    for plan in plans:
-        for p in plan:
-            if p.traffic is not None:
-                return p.traffic[1].device
-    return torch.device("cpu")
-
-
 def rank_events(world: Sequence[WorldCollective], rank: int, layer: int) -> list[CommEvent]:
     """What rank ``rank`` logs of a simulated layer: one event per collective it runs, its row
     of each collective's traffic (no times: ``seconds`` is NaN)."""
@@ -194,7 +188,7 @@ def plan_world(dispatcher, routing: Sequence[tuple], shape: RowShape, *, trainin
     facts_PX = None if facts[0] is None else torch.stack(facts)
     plans = [dispatcher.plan(ids_TK, w_TK, rank=r, shape=shape, facts_PX=facts_PX, training=training)
              for r, (ids_TK, w_TK) in enumerate(routing)]
-    return world_traffic(plans, P, backward)
+    return world_traffic(plans, P, backward, dispatcher.ep.device)
 
 
 def traffic_of(events: Sequence[CommEvent]) -> dict:

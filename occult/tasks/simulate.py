@@ -222,9 +222,9 @@ def node_rows(world: list, world_size: int, devices_per_node: int, layer: int) -
     """Per rank, phase and pass: rows it receives, bytes it sends within its node and across
     nodes (other ranks only)."""
     P = world_size
-    node_P = torch.arange(P) // (devices_per_node or P)
+    node_P = torch.arange(P, device="cpu") // (devices_per_node or P)
     same_PP = node_P.unsqueeze(1) == node_P.unsqueeze(0)
-    others_PP = ~torch.eye(P, dtype=torch.bool)
+    others_PP = ~torch.eye(P, dtype=torch.bool, device="cpu")
     totals: dict = {}
     for c in world:
         rows_PP = c.rows_PP.cpu()
@@ -288,8 +288,6 @@ def _simulate(ctx, cfg_dict: dict) -> list:
     """:func:`run_rank`'s work: every MoE layer's routing, world plan and rows."""
     cfg = OmegaConf.create(cfg_dict)
     m, t, c = cfg.model, cfg.task, cfg.cluster
-    if ctx.world_size != 1:
-        raise ValueError(f"task=simulate runs in one process (got a world of {ctx.world_size})")
     ep = EPGroup(0, c.world_size, None, str(ctx.device), c.devices_per_node)    # never started: nothing is sent
     shape = RowShape(m.hidden_size, m.expert_ffn_size, getattr(torch, m.dtype))
     source = world_source(cfg)
