@@ -337,7 +337,7 @@ class SimulateTask(TaskConf):
     routing: str = "router"             # router | trace | uniform | zipf
     zipf_s: float = 1.2                 # routing=zipf
     trace: Optional[str] = None         # routing=trace: a run folder holding routing.parquet
-    source_tokens: int = 16384          # routing=router: held-out tokens the model routes
+    source_tokens: int = 32768          # routing=router: held-out tokens the model routes
     corpus: str = "shakespeare"         # routing=router: the held-out text
     split: str = "validation"
     seq_len: int = 128
