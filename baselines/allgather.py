@@ -36,8 +36,13 @@ from typing import Optional
 import torch
 
 from occult.ep import Exchange, Recorder, SplitDispatcher, SystemConfig
-from occult.ep.comm import all_gather_rows, reduce_scatter_rows
+from occult.ep.comm import ALL_GATHER, REDUCE_SCATTER, all_gather_rows, reduce_scatter_rows
 from occult.ep.permute import gather_rows, weighted_scatter_add
+from occult.ep.plan import metadata_sends, returned, sends
+
+# the token counts' dtype, and the routing's beside the tokens (gate weights and top-k ids:
+# exact for the ids, differentiable for the weights)
+COUNT_DTYPE, META_DTYPE = torch.long, torch.float64
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class AllGatherHandle:
 
 def token_counts(num_tokens: int, ep, where: Exchange, device) -> list:
     """Every rank's token count, in rank order (an all-gather of one integer per rank)."""
-    mine_11 = torch.tensor([[num_tokens]], dtype=torch.long, device=device)
+    mine_11 = torch.tensor([[num_tokens]], dtype=COUNT_DTYPE, device=device)
     # device-to-host sync: the counts size the collectives below
     return all_gather_rows(mine_11, [1] * ep.world_size, ep, replace(where, metadata=True)).flatten().tolist()
 
@@ -80,13 +85,24 @@ class AllGatherDispatcher(SplitDispatcher):
         rec, ep, K = recorder, self.ep, topk_ids_TK.shape[1]
         tokens_P = token_counts(x_TD.shape[0], ep, Exchange(layer, "counts", rec), x_TD.device)
         x_AD = all_gather_rows(x_TD, tokens_P, ep, Exchange(layer, "dispatch", rec))
-        meta_TX = torch.cat([topk_weights_TK.to(torch.float64), topk_ids_TK.to(torch.float64)], dim=1)
+        meta_TX = torch.cat([topk_weights_TK.to(META_DTYPE), topk_ids_TK.to(META_DTYPE)], dim=1)
         meta_AX = all_gather_rows(meta_TX, tokens_P, ep, Exchange(layer, "dispatch_meta", rec, metadata=True))
         ids_AK = meta_AX[:, K:].detach().round().long()
         token_Q, k_Q, counts_e = local_pairs(ids_AK, self.placement, ep.rank)
         weight_Q = meta_AX[token_Q, k_Q].to(x_TD.dtype)
         handle = AllGatherHandle(token_Q, weight_Q, tokens_P, layer, rec)
         return gather_rows(x_AD, token_Q), counts_e, handle
+
+    def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
+        """``counts`` (an all-gather of one integer), ``dispatch`` and ``dispatch_meta`` (this
+        rank's T tokens and their 2K routing values to every rank) and ``combine`` (the
+        reduce-scatter that returns the dispatch: rank j's block to rank j)."""
+        P, (T, K) = self.ep.world_size, topk_ids_TK.shape
+        x_bytes, meta_bytes = shape.bytes_of(shape.hidden), 2 * K * META_DTYPE.itemsize
+        return [metadata_sends("counts", rank, [1] * P, COUNT_DTYPE.itemsize, kind=ALL_GATHER),
+                sends("dispatch", rank, [T] * P, x_bytes, kind=ALL_GATHER),
+                sends("dispatch_meta", rank, [T] * P, meta_bytes, kind=ALL_GATHER, meta_row_bytes=meta_bytes),
+                returned("combine", 2, x_bytes, kind=REDUCE_SCATTER)]
 
     def combine(self, y_QD, handle: AllGatherHandle):
         partial_AD = weighted_scatter_add(sum(handle.tokens_P), handle.token_Q, y_QD, handle.weight_Q)

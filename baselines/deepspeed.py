@@ -95,6 +95,7 @@ from baselines.tutel_harness import queue_positions
 from occult.ep import Dispatcher, Exchange, Recorder, SystemConfig, exchange_counts
 from occult.ep.accounting import span
 from occult.ep.observe import CallTrace, probe
+from occult.ep.plan import metadata_sends, returned, sends
 
 DEEPSPEED_PIN = "0.19.8"
 # DeepSpeed builds a small C++ op on first use; the project keeps it, once per machine and
@@ -324,21 +325,35 @@ class DeepSpeedDispatcher(Dispatcher):
         super().__init__(ep, placement, config)
         check_contiguous(placement)
         self._sharded_moe = load_deepspeed()
-        if ep.world_size > 1:
-            init_deepspeed_comm(ep.group)
+
+    def plan_facts(self, topk_ids_TK, topk_weights_TK):
+        """(T, largest expert load) of this rank: what C is the maximum of."""
+        need_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=self.placement.num_experts)
+        return torch.stack([torch.tensor(topk_ids_TK.shape[0], device=need_E.device), need_E.max()])
+
+    def _capacity_of(self, every_PX: torch.Tensor, top_k: int) -> int:
+        """C from every rank's :meth:`plan_facts` [P, 2] (the same on every rank)."""
+        max_tokens, max_need = every_PX.max(0).values.tolist()
+        return deepspeed_capacity(self._sharded_moe, self.config.capacity_factor, self.config.min_capacity, top_k,
+                                  max_tokens, self.placement.num_experts, max_need)
 
     def capacity(self, topk_ids_TK: torch.Tensor, layer: int, recorder: Optional[Recorder]) -> int:
         """C, the same on every rank: exchanges (T, largest expert load) with every rank."""
-        P, E = self.ep.world_size, self.placement.num_experts
-        T, K = topk_ids_TK.shape
-        need_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=E)
-        mine_X = torch.tensor([T, int(need_E.max()) if need_E.numel() else 0], dtype=torch.long,
-                              device=topk_ids_TK.device)
-        every_PX = exchange_counts(mine_X.expand(P, 2).contiguous(), self.ep, Exchange(layer, "counts", recorder))
-        max_tokens, max_need = every_PX.max(0).values.tolist()
-        return deepspeed_capacity(self._sharded_moe, self.config.capacity_factor, self.config.min_capacity, K,
-                                  max_tokens,
-                                  E, max_need)
+        mine_X = self.plan_facts(topk_ids_TK, None)
+        every_PX = exchange_counts(mine_X.expand(self.ep.world_size, 2).contiguous(), self.ep,
+                                   Exchange(layer, "counts", recorder))
+        return self._capacity_of(every_PX, topk_ids_TK.shape[1])
+
+    def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
+        """A second statement of what the library sends (its all-to-alls run inside its
+        ``MOELayer``; the parity worlds check this against the rows observed from its
+        buffers): ``counts`` ((T, largest load) to every rank), then ``dispatch`` and
+        ``combine``, e C rows to every rank with DeepSpeed's capacity C."""
+        P, e = self.ep.world_size, self.placement.num_local
+        C = self._capacity_of(facts_PX, topk_ids_TK.shape[1])
+        x_bytes = shape.bytes_of(shape.hidden)
+        return [metadata_sends("counts", rank, [1] * P, 2 * facts_PX.element_size()),
+                sends("dispatch", rank, [e * C] * P, x_bytes), returned("combine", 1, x_bytes)]
 
     def build_moe_layer(self, routes: Routes, experts: nn.Module, trace: CallTrace) -> nn.Module:
         """DeepSpeed's ``MOELayer`` for one call: the call's routes as its gate, the
@@ -358,6 +373,8 @@ class DeepSpeedDispatcher(Dispatcher):
     def _forward_moe(self, x_TD, topk_ids_TK, topk_weights_TK, experts, layer, recorder):
         """DeepSpeed's MOELayer for this call, its exchanges observed and its counters logged."""
         P, e = self.ep.world_size, self.placement.num_local
+        if P > 1:       # DeepSpeed's communication layer on this rank's world (idempotent)
+            init_deepspeed_comm(self.ep.group)
         C = self.capacity(topk_ids_TK, layer, recorder)
         routes = build_routes(topk_ids_TK, topk_weights_TK.to(x_TD.dtype), self.placement.num_experts, C)
         trace = CallTrace(layer, recorder, self.ep)

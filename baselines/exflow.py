@@ -69,11 +69,14 @@ from typing import Optional
 import torch
 
 from occult.ep import Exchange, Placement, Recorder, SplitDispatcher, all_to_all_rows, exchange_counts
+from occult.ep.plan import forwarded, metadata_sends, returned, sends
 from occult.placement.files import PlacementFileConfig
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, scatter_add_rows,
                                sort_pairs_by_destination, weighted_scatter_add)
 
 RETURN_PHASE = "return_home"
+# the dtype of the index rows (token index, rank) that travel beside the rows
+INDEX_DTYPE = torch.long
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,18 @@ def _group_keys(key_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct keys in ascending order, and the group of every row: ``(keys_Z, group_R)``."""
     keys_Z, group_R = torch.unique(key_R, sorted=True, return_inverse=True)
     return keys_Z, group_R
+
+
+def partial_traffic(device_R: torch.Tensor, token_R: torch.Tensor, new_home_T: torch.Tensor, world_size: int
+                    ) -> torch.Tensor:
+    """The ``combine`` leg's rows that one rank's tokens cause, [P, P]: each of its sent rows
+    (token ``token_R`` to device ``device_R``) makes one partial per (token, device), which
+    that device sends to the token's new home (the rule of :meth:`ExFlowDispatcher._partials`,
+    seen from the tokens' home)."""
+    P, T = world_size, max(new_home_T.numel(), 1)
+    keys_Z, _ = _group_keys(device_R * T + token_R)
+    pair_Z = (keys_Z // T) * P + new_home_T[keys_Z % T]
+    return torch.bincount(pair_Z, minlength=P * P).view(P, P)
 
 
 class ExFlowDispatcher(SplitDispatcher):
@@ -173,6 +188,32 @@ class ExFlowDispatcher(SplitDispatcher):
             return self._return_single(at_new_home_RD, handle)
         at_new_home_FD, home_F = self._merge_at_new_home(y_QD, handle)
         return self._return_merged(at_new_home_FD, home_F, handle)
+
+    def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
+        """``counts``, ``dispatch`` (a row per pair), ``dispatch_meta`` (its gate weight) and,
+        for K > 1, ``dispatch_index`` (two int64), a second ``counts``, ``combine`` and
+        ``combine_meta`` (a partial per (token, device) to the token's new home, with its
+        home rank and index) and ``return_home`` (each token from its new home to its home);
+        for K = 1 ``return_home`` returns the dispatch."""
+        P, e, K = self.ep.world_size, self.placement.num_local, topk_ids_TK.shape[1]
+        x_bytes, index_bytes = shape.bytes_of(shape.hidden), 2 * INDEX_DTYPE.itemsize
+        order_R, send_Pe = sort_pairs_by_destination(topk_ids_TK, self.placement)
+        send_P = send_Pe.sum(1)
+        out = [metadata_sends("counts", rank, [1] * P, e * send_Pe.element_size()),
+               sends("dispatch", rank, send_P, x_bytes), sends("dispatch_meta", rank, send_P, shape.bytes_of(1))]
+        if K == 1:
+            return out + [returned(RETURN_PHASE, 2, x_bytes)]
+        new_home_T = new_home_device(topk_ids_TK, topk_weights_TK, self.placement)
+        device_R = self.placement.device_E[topk_ids_TK.flatten()[order_R]]
+        rows_PP = partial_traffic(device_R, order_R // K, new_home_T, P)
+        all_P = torch.arange(P, device=rows_PP.device)
+        home_PP = torch.zeros_like(rows_PP)
+        home_PP[:, rank] = torch.bincount(new_home_T, minlength=P)
+        return out + [sends("dispatch_index", rank, send_P, index_bytes, differentiable=False),
+                      metadata_sends("counts", rank, [1] * P, send_Pe.element_size()),
+                      forwarded("combine", all_P, rows_PP, x_bytes),
+                      forwarded("combine_meta", all_P, rows_PP, index_bytes, differentiable=False),
+                      forwarded(RETURN_PHASE, all_P, home_PP, x_bytes)]
 
     def _merge_at_new_home(self, y_QD: torch.Tensor, handle: ExFlowHandle
                            ) -> tuple[torch.Tensor, torch.Tensor]:

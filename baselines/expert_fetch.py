@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from occult.ep import Dispatcher, Exchange, SystemConfig, all_to_all_rows, exchange_counts
+from occult.ep.plan import forwarded, metadata_sends
 from occult.ep.accounting import span
 from occult.ep.experts import expert_rows, grouped_swiglu, weights_of_rows
 from occult.ep.permute import gather_rows, weighted_scatter_add
@@ -64,13 +65,8 @@ class ExpertFetchDispatcher(Dispatcher):
     def _fetch(self, topk_ids_TK: torch.Tensor, experts, layer: int, rec) -> tuple[torch.Tensor, torch.Tensor]:
         """The weights of every expert this rank's tokens need that another rank owns:
         ``(fetched_ids_F, rows_FW)``, in (owner, slot) order."""
-        ep, pl = self.ep, self.placement
-        P, e = ep.world_size, pl.num_local
-        need_E = torch.zeros(pl.num_experts, dtype=torch.bool, device=topk_ids_TK.device)
-        need_E[topk_ids_TK.flatten()] = True
-        by_slot_Pe = pl.global_order().view(P, e)
-        want_Pe = need_E[by_slot_Pe]
-        want_Pe[ep.rank] = False                       # its own experts are here already
+        ep = self.ep
+        want_Pe, by_slot_Pe = self._wanted(topk_ids_TK, ep.rank)
         asked_Pe = exchange_counts(want_Pe.long(), ep, Exchange(layer, "fetch_request", rec)) > 0
         # device-to-host sync: split sizes go to the collective as Python ints
         send_P, recv_P = asked_Pe.sum(1).tolist(), want_Pe.sum(1).tolist()
@@ -78,6 +74,29 @@ class ExpertFetchDispatcher(Dispatcher):
         rows_FW = all_to_all_rows(gather_rows(expert_rows(experts), slot_S), send_P, recv_P, ep,
                                   Exchange(layer, "fetch_weights", rec))
         return by_slot_Pe[want_Pe], rows_FW
+
+    def _wanted(self, topk_ids_TK: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts of every owner that ``rank``'s tokens need (bool [P, e], by owner and
+        slot; none of its own, which are there already) and every owner's experts by slot [P, e]."""
+        pl = self.placement
+        P, e = self.ep.world_size, pl.num_local
+        need_E = torch.zeros(pl.num_experts, dtype=torch.bool, device=topk_ids_TK.device)
+        need_E[topk_ids_TK.flatten()] = True
+        by_slot_Pe = pl.global_order().view(P, e)
+        want_Pe = need_E[by_slot_Pe]
+        want_Pe[rank] = False
+        return want_Pe, by_slot_Pe
+
+    def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
+        """``fetch_request`` (the [P, e] request, one int64 row to each owner) and
+        ``fetch_weights`` (each owner sends the requested experts: 3 D F weights a row)."""
+        want_Pe, _ = self._wanted(topk_ids_TK, rank)
+        P, e = want_Pe.shape
+        rows_PP = torch.zeros(P, P, dtype=torch.long, device=want_Pe.device)
+        rows_PP[:, rank] = want_Pe.sum(1)
+        return [metadata_sends("fetch_request", rank, [1] * P, e * rows_PP.element_size()),
+                forwarded("fetch_weights", torch.arange(P, device=rows_PP.device), rows_PP,
+                          shape.bytes_of(3 * shape.hidden * shape.ffn))]
 
     def forward_moe(self, x_TD, topk_ids_TK, topk_weights_TK, experts, *, layer=0, recorder=None):
         rec, pl = recorder, self.placement

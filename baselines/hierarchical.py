@@ -40,8 +40,14 @@ it is naive EP (``none``) or an Occult-like per-device exchange (``device``).
 Exact top-k MoE: every (token, expert) pair is computed once, weighted once, and the
 partial sums are regroupings of the same terms.
 
+The plan (:meth:`HierarchicalDispatcher.plan`) splits the first stage of a rank's tokens
+with the dispatch's function, and the second from the (unit, slot) pairs the first stage's
+rows carry, each on the rank that receives it: what that rank's dispatch splits of the units
+it gets (:func:`split_pairs`, which :func:`split_units` runs on them).
+
 Shapes: T tokens, K top-k, D hidden, P ranks, e local experts, U units a stage starts
-from (its rows), S rows a stage sends, Q (row, local expert) pairs on the expert's device.
+from (its rows), S rows a stage sends, V (unit, slot) pairs a stage carries, Q (row, local
+expert) pairs on the expert's device.
 """
 from __future__ import annotations
 
@@ -52,8 +58,11 @@ import torch
 
 from occult.ep import Exchange, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
 from occult.ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
+from occult.ep.plan import forwarded, metadata_sends, returned, sends
 
 DEDUP = ("none", "node", "device")
+# the dtype of the rows' metadata (gate weights and top-k ids): exact for the ids
+META_DTYPE = torch.float64
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,27 @@ class Units:
     x_UD: torch.Tensor
     w_UK: torch.Tensor
     ids_UK: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Split:
+    """What one stage sends (:func:`split_pairs`): the unit each row comes from, its
+    destination and the rows per destination; and the (unit, expert slot) pairs it was made
+    of, with the row that carries each (``row_V``, ``slot_V``, ``id_V``: the pair's expert)."""
+
+    unit_S: torch.Tensor
+    dest_S: torch.Tensor
+    send: torch.Tensor     # [P]: rows to each rank; [P, P] with holders: from each holder to each rank
+    row_V: torch.Tensor
+    slot_V: torch.Tensor
+    id_V: torch.Tensor
+    top_k: int
+
+    def keep_SK(self) -> torch.Tensor:
+        """The expert slots each row carries (bool [S, K])."""
+        keep_SK = torch.zeros(self.unit_S.numel(), self.top_k, dtype=torch.bool, device=self.unit_S.device)
+        keep_SK[self.row_V, self.slot_V] = True
+        return keep_SK
 
 
 @dataclass(frozen=True)
@@ -87,22 +117,39 @@ class HierarchicalHandle:
     recorder: Optional[Recorder]
 
 
-def split_units(ids_UK: torch.Tensor, dest_UK: torch.Tensor, per_pair: bool, world_size: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows one stage sends: one per (unit, expert) (``per_pair``) or one per (unit,
-    destination), ordered by destination. Returns ``unit_S`` (the unit of each row), ``keep_SK``
-    (the unit's expert slots the row carries) and ``send_P`` (rows per destination)."""
-    U, K = ids_UK.shape
+def split_units(ids_UK: torch.Tensor, dest_UK: torch.Tensor, per_pair: bool, world_size: int,
+                holder_U: Optional[torch.Tensor] = None) -> Split:
+    """The rows one stage sends of units ``ids_UK`` (-1: a slot the unit does not carry) whose
+    pairs go to ``dest_UK``: :func:`split_pairs` of their carried pairs."""
     u_V, k_V = torch.nonzero(ids_UK >= 0, as_tuple=True)
-    d_V = dest_UK[u_V, k_V]
+    return split_pairs(u_V, k_V, ids_UK[u_V, k_V], dest_UK[u_V, k_V], ids_UK.shape, per_pair, world_size, holder_U)
+
+
+def split_pairs(u_V: torch.Tensor, k_V: torch.Tensor, id_V: torch.Tensor, d_V: torch.Tensor, shape_UK: tuple,
+                per_pair: bool, world_size: int, holder_U: Optional[torch.Tensor] = None) -> Split:
+    """The rows one stage sends: one per (unit, expert) (``per_pair``) or one per (unit,
+    destination), ordered by destination (:class:`Split`), from the stage's (unit, slot)
+    pairs (``u_V``, ``k_V``; expert ``id_V``, destination ``d_V``) of units [U, K]
+    (``shape_UK``). ``holder_U`` (the plan of units that sit on several ranks): the rank each
+    unit is on; ``send`` is then [P, P], the rows each holder sends to each rank, not [P]."""
+    U, K = shape_UK
     span = U * K if per_pair else U
     key_V = d_V * span + (u_V * K + k_V if per_pair else u_V)
     keys_S, s_V = torch.unique(key_V, sorted=True, return_inverse=True)
     unit_S = (keys_S % span) // K if per_pair else keys_S % span
-    keep_SK = torch.zeros(keys_S.numel(), K, dtype=torch.bool, device=ids_UK.device)
-    keep_SK[s_V, k_V] = True
-    send_P = torch.bincount(keys_S // max(span, 1), minlength=world_size)
-    return unit_S, keep_SK, send_P
+    dest_S = keys_S // max(span, 1)
+    P = world_size
+    if holder_U is None:
+        send = torch.bincount(dest_S, minlength=P)
+    else:
+        send = torch.bincount(holder_U[unit_S] * P + dest_S, minlength=P * P).view(P, P)
+    return Split(unit_S, dest_S, send, s_V, k_V, id_V, K)
+
+
+def carried_ids(ids_UK: torch.Tensor, unit_S: torch.Tensor, keep_SK: torch.Tensor) -> torch.Tensor:
+    """The top-k ids each sent row carries (-1 in the slots it does not): the units of the
+    next stage."""
+    return ids_UK[unit_S].masked_fill_(~keep_SK, -1)
 
 
 class HierarchicalDispatcher(SplitDispatcher):
@@ -120,33 +167,53 @@ class HierarchicalDispatcher(SplitDispatcher):
             if self.dedup not in DEDUP:
                 raise ValueError(f"system.dedup={self.dedup!r}: allowed values are {list(DEDUP)}")
 
-    def _destinations(self, ids_UK: torch.Tensor, stage: str) -> torch.Tensor:
+    def _destinations(self, ids_UK: torch.Tensor, stage: str, holder) -> torch.Tensor:
         """Each (unit, expert)'s destination rank at ``stage``: the rail peer in the expert's
-        node (``inter``) or the expert's device (``intra``); -1 where no expert is carried."""
+        node of ``holder``, the rank the unit is on (``inter``), or the expert's device
+        (``intra``); -1 where no expert is carried. ``holder``: a rank, or a tensor of ranks
+        of ``ids_UK``'s shape (any shape: units [U, K] or pairs [V])."""
         ep, pl = self.ep, self.placement
         device_UK = pl.device_E[ids_UK.clamp(min=0)]
         if stage == "inter":
-            device_UK = device_UK // ep.per_node * ep.per_node + ep.rank % ep.per_node
-        return torch.where(ids_UK >= 0, device_UK, torch.full_like(device_UK, -1))
+            device_UK = device_UK // ep.per_node * ep.per_node + holder % ep.per_node
+        return device_UK.masked_fill_(ids_UK < 0, -1)
 
-    def _peers(self, stage: str) -> list:
-        """The ranks this rank talks to at ``stage``: its rail peers (``inter``) or its node."""
-        ep, G = self.ep, self.ep.per_node
-        same = (lambda j: j % G == ep.rank % G) if stage == "inter" else (lambda j: j // G == ep.rank // G)
-        return [same(j) for j in range(ep.world_size)]
+    def _per_pair(self, stage: str) -> bool:
+        """Whether ``stage`` sends a row per (unit, expert) rather than per (unit, destination)."""
+        return self.config.dedup == "none" or (stage == "intra" and self.config.dedup == "node")
+
+    def _split(self, ids_UK: torch.Tensor, stage: str, rank: int) -> Split:
+        """What ``stage`` sends of the units ``ids_UK`` on rank ``rank``: the dispatch's split
+        sizes, and the plan's of a rank's own tokens."""
+        return split_units(ids_UK, self._destinations(ids_UK, stage, rank), self._per_pair(stage),
+                           self.ep.world_size)
+
+    def _forwarded(self, sent: Split, stage: str) -> Split:
+        """What ``stage`` sends of the rows an earlier stage sent (``sent``), each on the rank
+        that received it: the same split of the same pairs as the receivers' :meth:`_split`
+        of the units they got, with each row's receiver as its holder (the plan's)."""
+        holder_V = sent.dest_S[sent.row_V]
+        d_V = self._destinations(sent.id_V, stage, holder_V)
+        return split_pairs(sent.row_V, sent.slot_V, sent.id_V, d_V, (sent.unit_S.numel(), sent.top_k),
+                           self._per_pair(stage), self.ep.world_size, sent.dest_S)
+
+    def _peers(self, stage: str, rank: int) -> list:
+        """The ranks ``rank`` talks to at ``stage``: its rail peers (``inter``) or its node."""
+        G = self.ep.per_node
+        same = (lambda j: j % G == rank % G) if stage == "inter" else (lambda j: j // G == rank // G)
+        return [same(j) for j in range(self.ep.world_size)]
 
     def _stage(self, units: Units, stage: str, layer: int, rec) -> tuple[Units, Leg]:
         """Sends ``units`` one stage on (``inter`` or ``intra``); returns the received units."""
         K = units.ids_UK.shape[1]
-        per_pair = self.config.dedup == "none" or (stage == "intra" and self.config.dedup == "node")
-        unit_S, keep_SK, send_P = split_units(units.ids_UK, self._destinations(units.ids_UK, stage), per_pair,
-                                              self.ep.world_size)
-        recv_P = exchange_counts(send_P.view(-1, 1), self.ep, Exchange(layer, f"counts_{stage}", rec),
-                                 self._peers(stage))
+        split = self._split(units.ids_UK, stage, self.ep.rank)
+        unit_S, keep_SK = split.unit_S, split.keep_SK()
+        recv_P = exchange_counts(split.send.view(-1, 1), self.ep, Exchange(layer, f"counts_{stage}", rec),
+                                 self._peers(stage, self.ep.rank))
         # device-to-host sync: split sizes go to the collectives as Python ints
-        send, recv = send_P.tolist(), recv_P.flatten().tolist()
-        ids_SK = torch.where(keep_SK, units.ids_UK[unit_S], torch.full_like(keep_SK, -1, dtype=torch.long))
-        meta_SX = torch.cat([units.w_UK[unit_S] * keep_SK, ids_SK.to(torch.float64)], dim=1)
+        send, recv = split.send.tolist(), recv_P.flatten().tolist()
+        ids_SK = carried_ids(units.ids_UK, unit_S, keep_SK)
+        meta_SX = torch.cat([units.w_UK[unit_S] * keep_SK, ids_SK.to(META_DTYPE)], dim=1)
         x_RD = all_to_all_rows(gather_rows(units.x_UD, unit_S), send, recv, self.ep,
                                Exchange(layer, f"dispatch_{stage}", rec))
         meta_RX = all_to_all_rows(meta_SX, send, recv, self.ep,
@@ -174,6 +241,34 @@ class HierarchicalDispatcher(SplitDispatcher):
         weight_Q = units.w_UK[row_Q, k_Q].to(x_TD.dtype)
         handle = HierarchicalHandle(tuple(legs), row_Q, weight_Q, units.x_UD.shape[0], layer, recorder)
         return gather_rows(units.x_UD, row_Q), counts_e, handle
+
+    def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
+        """Each stage's ``counts_*`` (one int64 per peer of the stage), ``dispatch_*`` and
+        ``dispatch_*_meta`` (2K values of float64 per row), then the ``combine_*`` stages in
+        reverse order, each its dispatch returned. The first stage's units are this rank's
+        tokens; the second's are the rows the first sent, on the ranks that received them
+        (the units a rail peer forwards), split by the same function as at run time."""
+        K = topk_ids_TK.shape[1]
+        x_bytes, meta_bytes = shape.bytes_of(shape.hidden), 2 * K * META_DTYPE.itemsize
+        out, at, split = [], [], None
+        for stage in self._stages():
+            if split is None:                # this rank's tokens
+                split = self._split(topk_ids_TK, stage, rank)
+                rows = [sends(f"dispatch_{stage}", rank, split.send, x_bytes),
+                        sends(f"dispatch_{stage}_meta", rank, split.send, meta_bytes, meta_row_bytes=meta_bytes)]
+            else:                            # the rows the first stage sent, sent on by their receivers
+                src_S = torch.unique(split.dest_S)          # the receivers that forward
+                split = self._forwarded(split, stage)
+                rows = [forwarded(f"dispatch_{stage}", src_S, split.send[src_S], x_bytes),
+                        forwarded(f"dispatch_{stage}_meta", src_S, split.send[src_S], meta_bytes,
+                                  meta_row_bytes=meta_bytes)]
+            out.append(metadata_sends(f"counts_{stage}", rank, [int(p) for p in self._peers(stage, rank)],
+                                      split.send.element_size()))
+            at.append((stage, len(out)))
+            out += rows
+        for stage, i in reversed(at):
+            out.append(returned(f"combine_{stage}", len(out) - i, x_bytes))
+        return out
 
     def combine(self, y_QD, handle: HierarchicalHandle):
         rec, layer = handle.recorder, handle.layer

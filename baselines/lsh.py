@@ -76,6 +76,8 @@ class LSHDispatcher(SplitDispatcher):
 
     impl = "harness"
     exact = False
+    no_plan = ("its rows are bucket centroids, and how many a (rank, expert) sends depends on the hash "
+               "of the tokens' activations, not on the routing")
 
     @dataclass
     class Config(SystemConfig):

@@ -190,6 +190,13 @@ class MegaBlocksDispatcher(NaiveDispatcher):
             self._dmoe = make_library_experts(self.placement.num_experts, top_k, experts, x_TD)
         return self._dmoe
 
+    def plan(self, topk_ids_TK, topk_weights_TK, **kwargs):
+        """Naive EP's exchange (the block padding is computed, never sent); none where the
+        library runs the layer (EP=1)."""
+        if self.config.uses_library(self.ep.world_size):
+            return []
+        return super().plan(topk_ids_TK, topk_weights_TK, **kwargs)
+
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         routed_RD, counts_e, naive = super().dispatch(x_TD, topk_ids_TK, topk_weights_TK, layer=layer,
                                                       recorder=recorder)

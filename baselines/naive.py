@@ -15,9 +15,25 @@ from typing import ClassVar, Optional
 import torch
 
 from occult.ep import Exchange, Recorder, SplitDispatcher, all_to_all_rows, exchange_counts
+from occult.ep.payload import wire_row_bytes
+from occult.ep.plan import Planned, RowShape, metadata_sends, returned, sends
 from occult.ep.system import PayloadConfig
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination,
                                weighted_scatter_add)
+
+
+def pair_exchange_plan(send_Pe: torch.Tensor, rank: int, shape: RowShape, dispatch_payload: str = "fp32",
+                       combine_payload: str = "fp32") -> list[Planned]:
+    """The plan of naive EP's exchange from a rank's pairs per (destination, local expert)
+    ``send_Pe`` [P, e] (:func:`occult.ep.permute.sort_pairs_by_destination`): ``counts``
+    (the [P, e] counts, one int64 row to each rank), ``dispatch`` (a row per pair) and
+    ``combine`` (the dispatch returned), rows crossing in their payloads."""
+    P, e = send_Pe.shape
+    d_bytes, d_meta = wire_row_bytes(dispatch_payload, shape.hidden, 0, shape.element_bytes)
+    c_bytes, c_meta = wire_row_bytes(combine_payload, shape.hidden, 0, shape.element_bytes)
+    return [metadata_sends("counts", rank, [1] * P, e * send_Pe.element_size()),
+            sends("dispatch", rank, send_Pe.sum(1), d_bytes, meta_row_bytes=d_meta),
+            returned("combine", 1, c_bytes, meta_row_bytes=c_meta)]
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,11 @@ class NaiveDispatcher(SplitDispatcher):
         handle = NaiveHandle(token_R, topk_weights_TK.flatten()[order_R], inverse_permutation(perm_R),
                              send_P, recv_P, x_TD.shape[0], layer, recorder)
         return gather_rows(x_recv_RD, perm_R), recv_Pe.sum(0), handle
+
+    def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
+        _, send_Pe = sort_pairs_by_destination(topk_ids_TK, self.placement)
+        return pair_exchange_plan(send_Pe, rank, shape, self.config.payload_of("dispatch"),
+                                  self.config.payload_of("combine"))
 
     def combine(self, y_RD, handle: NaiveHandle):
         y_back_RD = all_to_all_rows(gather_rows(y_RD, handle.inv_perm_R), handle.recv_P, handle.send_P, self.ep,

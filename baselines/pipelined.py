@@ -45,7 +45,8 @@ import torch
 
 from occult.ep import Dispatcher, Exchange, Recorder, SystemConfig, exchange_counts
 from occult.ep.accounting import span
-from occult.ep.comm import all_gather_rows, start_all_to_all
+from occult.ep.comm import ALL_GATHER, all_gather_rows, start_all_to_all
+from occult.ep.plan import RowShape, metadata_sends, returned, sends
 from occult.ep.experts import grouped_swiglu
 from occult.ep.links import Link, link_at, pipeline_seconds
 from occult.ep.measure import between, mark
@@ -181,31 +182,67 @@ class PipelinedDispatcher(Dispatcher):
                 except (FileNotFoundError, ValueError) as exc:
                     raise ValueError(f"system.profile={self.profile!r}: {exc}") from exc
 
-    def _degree(self, key_R: torch.Tensor, x_TD, experts, layer: int, rec) -> int:
-        """The number of chunks: the configured one, or PipeMoE's choice from every rank's
-        per-destination rows (an all-gather, so every rank decides alike)."""
+    def _pair_keys(self, topk_ids_TK: torch.Tensor) -> torch.Tensor:
+        """Each (token, k) pair's (destination, local slot) key [T*K]."""
+        pl = self.placement
+        return (pl.device_E[topk_ids_TK] * pl.num_local + pl.slot_E[topk_ids_TK]).flatten()
+
+    def plan_facts(self, topk_ids_TK, topk_weights_TK):
+        """``degree=auto``: this rank's rows to every rank [P] (what the rule weighs); else None."""
+        if self.config.degree != "auto":
+            return None
+        return torch.bincount(self._pair_keys(topk_ids_TK) // self.placement.num_local, minlength=self.ep.world_size)
+
+    def _degree_of(self, rows_PP: Optional[torch.Tensor], shape: RowShape) -> int:
+        """The number of chunks: the configured one, or PipeMoE's choice from every rank's rows
+        to every rank (:meth:`plan_facts` of every rank)."""
         if self.config.degree != "auto":
             return int(self.config.degree)
-        ep, e = self.ep, self.placement.num_local
-        rows_1P = torch.bincount(key_R // e, minlength=ep.world_size).view(1, -1)
-        rows_PP = all_gather_rows(rows_1P, [1] * ep.world_size, ep,
-                                  Exchange(layer, "pipeline_plan", rec, metadata=True))
-        D, F = experts.w_gate.shape[1:]
-        return auto_degree(rows_PP, link_at(self.config.profile, ep.world_size), D * x_TD.element_size(), D, F, e)
+        return auto_degree(rows_PP, link_at(self.config.profile, self.ep.world_size), shape.bytes_of(shape.hidden),
+                           shape.hidden, shape.ffn, self.placement.num_local)
+
+    def _degree(self, topk_ids_TK: torch.Tensor, shape: RowShape, layer: int, rec) -> int:
+        """The number of chunks, from every rank's per-destination rows (an all-gather, so
+        every rank decides alike) when ``degree=auto``."""
+        ep, rows_P = self.ep, self.plan_facts(topk_ids_TK, None)
+        rows_PP = None if rows_P is None else all_gather_rows(
+            rows_P.view(1, -1), [1] * ep.world_size, ep, Exchange(layer, "pipeline_plan", rec, metadata=True))
+        return self._degree_of(rows_PP, shape)
+
+    def _chunks(self, topk_ids_TK: torch.Tensor, degree: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pairs' keys in (chunk, destination, local slot) order [T*K] and their counts
+        [r, P, e]: the chunks are ``degree`` runs of this rank's tokens."""
+        T, K = topk_ids_TK.shape
+        P, e = self.ep.world_size, self.placement.num_local
+        chunk_R = (torch.arange(T, device=topk_ids_TK.device) * degree // max(T, 1)).repeat_interleave(K)
+        key_R = chunk_R * (P * e) + self._pair_keys(topk_ids_TK)
+        return key_R, torch.bincount(key_R, minlength=degree * P * e).view(degree, P, e)
+
+    def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
+        """``pipeline_plan`` (``degree=auto``: an all-gather of the rows to every rank),
+        ``counts`` (the [P, r e] counts of every chunk) and each chunk's ``dispatch`` and
+        ``combine`` (the chunk's dispatch returned)."""
+        P, e = self.ep.world_size, self.placement.num_local
+        r = self._degree_of(facts_PX, shape)
+        _, send_rPe = self._chunks(topk_ids_TK, r)
+        x_bytes = shape.bytes_of(shape.hidden)
+        out = [] if facts_PX is None else [
+            metadata_sends("pipeline_plan", rank, [1] * P, P * facts_PX.element_size(), kind=ALL_GATHER)]
+        out.append(metadata_sends("counts", rank, [1] * P, r * e * send_rPe.element_size()))
+        for c in range(r):
+            out += [sends("dispatch", rank, send_rPe[c].sum(1), x_bytes), returned("combine", 1, x_bytes)]
+        return out
 
     def _plan(self, x_TD, topk_ids_TK, experts, training: bool, layer: int, rec) -> tuple[ChunkPlan, torch.Tensor]:
         """Chunks of this rank's tokens, pairs ordered by (chunk, destination, local expert);
         one counts exchange for all chunks. Returns the plan and ``order_R`` (into the
         flattened [T*K] pairs)."""
-        ep, pl = self.ep, self.placement
-        T, K = topk_ids_TK.shape
-        P, e = ep.world_size, pl.num_local
-        dest_R = (pl.device_E[topk_ids_TK] * e + pl.slot_E[topk_ids_TK]).flatten()
-        r = self._degree(dest_R, x_TD, experts, layer, rec)
-        chunk_R = (torch.arange(T, device=x_TD.device) * r // max(T, 1)).repeat_interleave(K)
-        key_R = chunk_R * (P * e) + dest_R
+        ep = self.ep
+        P, e = ep.world_size, self.placement.num_local
+        shape = RowShape(x_TD.shape[1], experts.w_gate.shape[2], x_TD.dtype)
+        r = self._degree(topk_ids_TK, shape, layer, rec)
+        key_R, send_rPe = self._chunks(topk_ids_TK, r)
         order_R = torch.argsort(key_R, stable=True)
-        send_rPe = torch.bincount(key_R, minlength=r * P * e).view(r, P, e)
         recv_Pre = exchange_counts(send_rPe.permute(1, 0, 2).reshape(P, r * e), ep, Exchange(layer, "counts", rec))
         recv_rPe = recv_Pre.view(P, r, e).permute(1, 0, 2)
         # device-to-host sync: split sizes go to the collectives as Python ints

@@ -42,9 +42,11 @@ from dataclasses import dataclass
 
 import torch
 
+from baselines.naive import pair_exchange_plan
 from occult.ep import Dispatcher, Exchange, SystemConfig, all_to_all_rows, exchange_counts
 from occult.ep.accounting import span
-from occult.ep.comm import all_gather_rows, broadcast_rows
+from occult.ep.comm import ALL_GATHER, BROADCAST, all_gather_rows, broadcast_rows
+from occult.ep.plan import RowShape, metadata_sends, sends
 from occult.ep.experts import expert_rows, grouped_swiglu, weights_of_rows
 from occult.ep.links import Link, link_at
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination,
@@ -105,25 +107,62 @@ class ShadowDispatcher(Dispatcher):
             except (FileNotFoundError, ValueError) as exc:
                 raise ValueError(f"system.profile={self.profile!r}: {exc}") from exc
 
-    def _plan(self, topk_ids_TK: torch.Tensor, experts, training: bool, layer: int, rec) -> torch.Tensor:
+    def plan_facts(self, topk_ids_TK, topk_weights_TK):
+        """This rank's pairs per expert [E] (what every rank tells every other)."""
+        return torch.bincount(topk_ids_TK.flatten(), minlength=self.placement.num_experts)
+
+    def _shadowed_of(self, load_PE: torch.Tensor, shape: RowShape, training: bool) -> torch.Tensor:
         """The experts shadowed for this batch (bool [E]), from every rank's pair counts."""
-        ep, E = self.ep, self.placement.num_experts
-        mine_1E = torch.bincount(topk_ids_TK.flatten(), minlength=E).view(1, E)
-        load_PE = all_gather_rows(mine_1E, [1] * ep.world_size, ep,
-                                  Exchange(layer, "shadow_plan", rec, metadata=True))
-        D, F = experts.w_gate.shape[1:]
-        costs = ShadowCosts.of(link_at(self.config.profile, ep.world_size), D, F, experts.w_gate.element_size())
+        costs = ShadowCosts.of(link_at(self.config.profile, self.ep.world_size), shape.hidden, shape.ffn,
+                               shape.element_bytes)
         return fastermoe_shadowed(load_PE.sum(0), costs, training)
+
+    def _shadowed(self, topk_ids_TK: torch.Tensor, experts, training: bool, layer: int, rec) -> torch.Tensor:
+        """The experts shadowed for this batch (bool [E]): every rank's pair counts, all-gathered."""
+        ep = self.ep
+        load_PE = all_gather_rows(self.plan_facts(topk_ids_TK, None).view(1, -1), [1] * ep.world_size, ep,
+                                  Exchange(layer, "shadow_plan", rec, metadata=True))
+        return self._shadowed_of(load_PE, RowShape(experts.w_gate.shape[1], experts.w_gate.shape[2],
+                                                   experts.w_gate.dtype), training)
+
+    def _owners(self, shadowed_E: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """The shadowed experts by owner then slot [S], and their owners in order (the same list
+        on every rank: one broadcast each)."""
+        pl = self.placement
+        ids_S = pl.global_order()[shadowed_E[pl.global_order()]]
+        return ids_S, torch.unique(pl.device_E[ids_S]).tolist()
+
+    def _naive_pairs(self, topk_ids_TK: torch.Tensor, shadowed_E: torch.Tensor, rank: int):
+        """This batch's placement (every shadowed expert also on every rank): which pairs
+        ``rank`` computes itself (bool [T, K]) and how the others go the naive way
+        (:func:`sort_pairs_by_destination`: ``order_R``, ``send_Pe``)."""
+        shadow_TK = self.placement.with_replicas(shadowed_E).replicas_EP[topk_ids_TK, rank]
+        return (shadow_TK, *sort_pairs_by_destination(topk_ids_TK, self.placement, ~shadow_TK))
+
+    def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
+        """``shadow_plan`` (an all-gather of the [E] pair counts), one ``shadow_weights``
+        broadcast per owner of shadowed experts (a row of 3 D F weights per expert), then naive
+        EP's ``counts``, ``dispatch`` and ``combine`` for the pairs of the other experts."""
+        P, E = self.ep.world_size, self.placement.num_experts
+        shadowed_E = self._shadowed_of(facts_PX, shape, training)
+        ids_S, owners = self._owners(shadowed_E)
+        out = [metadata_sends("shadow_plan", rank, [1] * P, E * facts_PX.element_size(), kind=ALL_GATHER)]
+        for owner in owners:
+            mine = int((self.placement.device_E[ids_S] == owner).sum()) if owner == rank else 0
+            out.append(sends("shadow_weights", rank, [mine] * P, shape.bytes_of(3 * shape.hidden * shape.ffn),
+                             kind=BROADCAST, differentiable=training))
+        _, _, send_Pe = self._naive_pairs(topk_ids_TK, shadowed_E, rank)
+        return out + pair_exchange_plan(send_Pe, rank, shape)
 
     def _shadow_weights(self, shadowed_E: torch.Tensor, experts, training: bool, layer: int, rec
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """The shadowed experts' weights on every rank: ``(ids_S, rows_SW)``, by owner then slot;
         one broadcast per owner (differentiable in training: its backward reduces to the owner)."""
         ep, pl = self.ep, self.placement
-        ids_S = pl.global_order()[shadowed_E[pl.global_order()]]
+        ids_S, owners = self._owners(shadowed_E)
         own_rows = expert_rows(experts)
         pieces = []
-        for owner in torch.unique(pl.device_E[ids_S]).tolist():      # the same list on every rank
+        for owner in owners:
             mine = ids_S[pl.device_E[ids_S] == owner]
             rows = gather_rows(own_rows, pl.slot_E[mine]) if owner == ep.rank else \
                 own_rows.new_empty((mine.numel(), own_rows.shape[1]))
@@ -133,17 +172,16 @@ class ShadowDispatcher(Dispatcher):
         return ids_S, rows_SW
 
     def forward_moe(self, x_TD, topk_ids_TK, topk_weights_TK, experts, *, layer=0, recorder=None):
-        rec, ep, pl, K = recorder, self.ep, self.placement, topk_ids_TK.shape[1]
+        rec, ep, K = recorder, self.ep, topk_ids_TK.shape[1]
         training = torch.is_grad_enabled() and experts.w_gate.requires_grad
         with span(rec, layer, "dispatch"):
-            shadowed_E = self._plan(topk_ids_TK, experts, training, layer, rec)
+            shadowed_E = self._shadowed(topk_ids_TK, experts, training, layer, rec)
             ids_S, rows_SW = self._shadow_weights(shadowed_E, experts, training, layer, rec)
             if rec is not None:
                 rec.log_counter(layer, "shadowed_experts", ids_S.numel())
             # this batch's placement: every shadowed expert also on every rank; the pairs of a
             # replica are computed here, the others go the naive way
-            shadow_TK = pl.with_replicas(shadowed_E).replicas_EP[topk_ids_TK, ep.rank]
-            order_R, send_Pe = sort_pairs_by_destination(topk_ids_TK, pl, ~shadow_TK)
+            shadow_TK, order_R, send_Pe = self._naive_pairs(topk_ids_TK, shadowed_E, ep.rank)
             recv_Pe = exchange_counts(send_Pe, ep, Exchange(layer, "counts", rec))
             # device-to-host sync: split sizes go to the collective as Python ints
             send_P, recv_P = send_Pe.sum(1).tolist(), recv_Pe.sum(1).tolist()

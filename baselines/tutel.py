@@ -77,8 +77,9 @@ import torch
 from occult.ep import SplitDispatcher
 from occult.ep.measure import barrier, clock
 from occult.ep.observe import CallTrace, probe
+from occult.ep.plan import returned, sends
 
-from baselines.tutel_harness import TutelHarnessDispatcher
+from baselines.tutel_harness import TutelHarnessDispatcher, capacity_of_facts
 
 TUTEL_VERSION = "0.3"
 TUTEL_COMMIT = "82af7aad9fc3ec981395ba97e7242a480984a55e"
@@ -136,15 +137,28 @@ def observed_all_reduces(fast_dispatch, trace: CallTrace):
         fast_dispatch.simple_all_reduce = inner
 
 
+def placeholder_ids(topk_ids_TK: torch.Tensor) -> torch.Tensor:
+    """The top-k ids Tutel routes: the rank's, or for a rank without tokens one placeholder
+    sample's (experts 0..K-1): [S, K]."""
+    if topk_ids_TK.shape[0]:
+        return topk_ids_TK
+    K = topk_ids_TK.shape[1]
+    return torch.arange(K, dtype=topk_ids_TK.dtype, device=topk_ids_TK.device).unsqueeze(0)
+
+
 def with_placeholder(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor):
     """The samples Tutel routes: the rank's tokens, or for a rank without tokens one
     placeholder (zeros, experts 0..K-1, gate weight 0): ``(x_SD, ids_SK, w_SK)``."""
     if x_TD.shape[0]:
         return x_TD, topk_ids_TK, topk_weights_TK
     K = topk_ids_TK.shape[1]
-    return (torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])]),
-            torch.arange(K, dtype=topk_ids_TK.dtype, device=topk_ids_TK.device).unsqueeze(0),
+    return (torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])]), placeholder_ids(topk_ids_TK),
             torch.cat([topk_weights_TK, topk_weights_TK.new_zeros(1, K)]))
+
+
+def aligned(capacity: int, alignment: int) -> int:
+    """C rounded up to a multiple of ``alignment`` (Tutel's ``extract_critical``)."""
+    return -(-capacity // alignment) * alignment
 
 
 def tutel_routing(fast_dispatch, ids_SK: torch.Tensor, w_SK: torch.Tensor, num_experts: int,
@@ -229,13 +243,7 @@ class TutelDispatcher(SplitDispatcher):
         with observed_all_reduces(tutel.fast_dispatch, trace):
             crit = tutel_routing(tutel.fast_dispatch, ids_SK, w_SK, self.placement.num_experts,
                                  self.config.capacity_factor, degree, self.ep.group)
-        C = crit[4]
-        if C == 0:      # the same C on every rank: they all stop here
-            cf = self.config.capacity_factor
-            raise ValueError(f"system.capacity_factor={cf!r}: Tutel's capacity K * int({abs(cf)} * ceil(T / E)) "
-                             f"is 0 at this call's T tokens per rank and E = {self.placement.num_experts}, "
-                             "and its all-to-all cannot move an empty buffer; allowed: 0 (dropless) or a "
-                             "factor with |cf| * ceil(T / E) >= 1")
+        C = self._checked(crit[4])      # the same C on every rank: they all stop here when it is 0
         kept = sum(int((loc_S[:T] < C).sum()) for loc_S in crit[2])
         y_ECD = tutel.moe.fast_encode(x_SD.contiguous(), crit)
         trace.rows_P, trace.row_bytes = [e * C] * P, D * y_ECD.element_size()
@@ -257,6 +265,38 @@ class TutelDispatcher(SplitDispatcher):
         tr.stop("combine", "forward")
         back_ECD = probe(back_ECD, lambda: tr.start("combine", "backward"))
         return tutel.moe.fast_decode(back_ECD.contiguous(), handle.crit)[:handle.num_tokens]
+
+    def _checked(self, capacity: int) -> int:
+        """``capacity``, unless it is 0: Tutel's all-to-all cannot move an empty buffer."""
+        if capacity == 0:
+            cf = self.config.capacity_factor
+            raise ValueError(f"system.capacity_factor={cf!r}: Tutel's capacity K * int({abs(cf)} * ceil(T / E)) "
+                             f"is 0 at this call's T tokens per rank and E = {self.placement.num_experts}, "
+                             "and its all-to-all cannot move an empty buffer; allowed: 0 (dropless) or a "
+                             "factor with |cf| * ceil(T / E) >= 1")
+        return capacity
+
+    def plan_facts(self, topk_ids_TK, topk_weights_TK):
+        """(samples Tutel routes, most pairs for one expert) of this rank: what its all-reduces
+        take the maximum of."""
+        ids_SK = placeholder_ids(topk_ids_TK)
+        need_E = torch.bincount(ids_SK.flatten(), minlength=self.placement.num_experts)
+        return torch.stack([torch.tensor(ids_SK.shape[0], device=need_E.device), need_E.max()])
+
+    def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
+        """A second statement of what the library sends (its collectives run inside it; the
+        parity worlds check this against the rows observed from its buffers): Tutel's routing
+        all-reduces (phase ``counts``: the most samples of any rank, and for cf <= 0 the largest
+        load; one int64 each), then ``dispatch`` and ``combine``, e C rows to every rank, C being
+        the harness twin's capacity rounded up to ``a2a_ffn_overlap_degree``."""
+        P, e, K = self.ep.world_size, self.placement.num_local, topk_ids_TK.shape[1]
+        cf = self.config.capacity_factor
+        C = self._checked(aligned(capacity_of_facts(cf, K, facts_PX, self.placement.num_experts),
+                                  self.config.a2a_ffn_overlap_degree))
+        x_bytes = shape.bytes_of(shape.hidden)
+        reduces = [sends("counts", rank, [1] * P, facts_PX.element_size(), differentiable=False)
+                   for _ in range(1 if cf > 0 else 2)]
+        return reduces + [sends("dispatch", rank, [e * C] * P, x_bytes), returned("combine", 1, x_bytes)]
 
     def stats(self, handle: TutelHandle) -> dict:
         """This rank's load figures of one call: pairs dropped beyond capacity, padding rows sent."""

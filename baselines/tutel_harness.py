@@ -52,6 +52,7 @@ import torch
 
 from occult.ep import Exchange, Placement, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
 from occult.ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
+from occult.ep.plan import metadata_sends, returned, sends
 
 
 
@@ -95,6 +96,12 @@ def capacity_rows(capacity_factor: float, top_k: int, max_tokens: int, num_exper
     if capacity_factor == 0:
         return max_need
     return min(max_need, top_k * int(-capacity_factor * per_expert))
+
+
+def capacity_of_facts(capacity_factor: float, top_k: int, every_PX: torch.Tensor, num_experts: int) -> int:
+    """C from every rank's (tokens, most pairs for one expert) [P, 2] (the same on every rank)."""
+    max_tokens, max_need = every_PX.max(0).values.tolist()
+    return capacity_rows(capacity_factor, top_k, max_tokens, num_experts, max_need)
 
 
 def kept_pairs(topk_ids_TK: torch.Tensor, pos_KT: torch.Tensor, capacity: int, placement: Placement
@@ -146,21 +153,33 @@ class TutelHarnessDispatcher(SplitDispatcher):
             run's parity gate checks a dropping config with."""
             return {} if self.is_exact() else {"capacity_factor": 0.0}
 
-    def _capacity(self, num_tokens: int, top_k: int, need_E: torch.Tensor, layer: int,
-                  recorder: Optional[Recorder]) -> int:
+    def plan_facts(self, topk_ids_TK, topk_weights_TK):
+        """(T, most pairs for one expert) of this rank: what C is the maximum of."""
+        _, need_E = queue_positions(topk_ids_TK, self.placement.num_experts)
+        return torch.stack([torch.tensor(topk_ids_TK.shape[0], device=need_E.device), need_E.max()])
+
+    def _capacity(self, topk_ids_TK: torch.Tensor, layer: int, recorder: Optional[Recorder]) -> int:
         """C, equal on every rank: exchanges (T, most pairs for one expert) with every rank."""
-        P = self.ep.world_size
-        mine_X = torch.tensor([num_tokens, int(need_E.max()) if need_E.numel() else 0], dtype=torch.long,
-                              device=need_E.device)
-        every_PX = exchange_counts(mine_X.expand(P, 2).contiguous(), self.ep, Exchange(layer, "counts", recorder))
-        max_tokens, max_need = every_PX.max(0).values.tolist()
-        return capacity_rows(self.config.capacity_factor, top_k, max_tokens, need_E.numel(), max_need)
+        mine_X = self.plan_facts(topk_ids_TK, None)
+        every_PX = exchange_counts(mine_X.expand(self.ep.world_size, 2).contiguous(), self.ep,
+                                   Exchange(layer, "counts", recorder))
+        return capacity_of_facts(self.config.capacity_factor, topk_ids_TK.shape[1], every_PX,
+                                 self.placement.num_experts)
+
+    def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
+        """``counts`` ((T, largest load) to every rank), ``dispatch`` (e C rows to every rank
+        whatever the load) and ``combine`` (the dispatch returned)."""
+        P, e = self.ep.world_size, self.placement.num_local
+        C = capacity_of_facts(self.config.capacity_factor, topk_ids_TK.shape[1], facts_PX, self.placement.num_experts)
+        x_bytes = shape.bytes_of(shape.hidden)
+        return [metadata_sends("counts", rank, [1] * P, 2 * facts_PX.element_size()),
+                sends("dispatch", rank, [e * C] * P, x_bytes), returned("combine", 1, x_bytes)]
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         T, K = topk_ids_TK.shape
         P, e = self.placement.num_devices, self.placement.num_local
-        pos_KT, need_E = queue_positions(topk_ids_TK, self.placement.num_experts)
-        C = self._capacity(T, K, need_E, layer, recorder)
+        pos_KT, _ = queue_positions(topk_ids_TK, self.placement.num_experts)
+        C = self._capacity(topk_ids_TK, layer, recorder)
         token_Q, k_Q, row_Q = kept_pairs(topk_ids_TK, pos_KT, C, self.placement)
         # index the weights row-major (t*K + k): their gradient then reaches the router
         # in the [T, K] layout the reference gives it, so the float32 router rounds alike

@@ -67,6 +67,9 @@ class WrappedDispatcher(Dispatcher):
         def layer_placement(self, layer: int, num_experts: int, world_size: int):
             return self.base_config().layer_placement(layer, num_experts, world_size)
 
+        def plan_refusal(self) -> str:
+            return self.base_config().plan_refusal()
+
     def __init__(self, ep, placement, config):
         super().__init__(ep, placement, config)
         base = config.base_config()
@@ -78,6 +81,14 @@ class WrappedDispatcher(Dispatcher):
 
     def routing_transform(self, layer: int):
         return self.make_transform(layer, self.inner.routing_transform(layer))
+
+    # the traffic is the base system's on the transformed routing (a plan gets the routing
+    # after the transform): the base's plan
+    def plan_facts(self, topk_ids_TK, topk_weights_TK):
+        return self.inner.plan_facts(topk_ids_TK, topk_weights_TK)
+
+    def plan(self, topk_ids_TK, topk_weights_TK, **kwargs):
+        return self.inner.plan(topk_ids_TK, topk_weights_TK, **kwargs)
 
     def forward_moe(self, x_TD, topk_ids_TK, topk_weights_TK, experts, *, layer=0, recorder=None):
         return self.inner.forward_moe(x_TD, topk_ids_TK, topk_weights_TK, experts, layer=layer, recorder=recorder)

@@ -10,7 +10,7 @@ Shapes: T tokens, D hidden, E experts, K top-k, P ranks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -179,18 +179,23 @@ def check_layer(ctx, system, case: LayerCase, placement: Optional[Placement] = N
     sent = {}
     for ev in rec.comm:
         sent[(ev.phase, ev.direction)] = sent.get((ev.phase, ev.direction), 0) + sum(ev.rows_P)
-    routed_ids = rec.routing[0][1]
+    _, routed_ids, routed_weights, _ = rec.routing[0]
     return {"errors": errors, "scales": scales, "comm": rec.comm, "sent_rows": sent, "tokens": hi - lo,
-            "distinct_devices": int(devices_per_token(routed_ids, placement).sum())}
+            "distinct_devices": int(devices_per_token(routed_ids, placement).sum()),
+            "routing": (routed_ids.cpu(), routed_weights.cpu())}
 
 
 def run_grid(ctx, jobs: list) -> list:
-    """Runs ``[(system dict, case, placement_groups or None), ...]`` in one world.
+    """Runs ``[(system dict, case, placement_groups or None[, devices_per_node]), ...]`` in one
+    world (a job's ``devices_per_node``, when given, groups this world's ranks into nodes its
+    own way: one world runs several node layouts).
 
     Starting a world costs seconds; tests and benchmarks run whole grids in one.
     """
     out, typed, references = [], {}, {}
-    for system, case, groups in jobs:
+    world_ctx = ctx
+    for system, case, groups, *layout in jobs:
+        ctx = replace(world_ctx, ep=replace(world_ctx.ep, devices_per_node=layout[0])) if layout else world_ctx
         placement = Placement.from_groups(groups) if groups else None
         key = repr(system)            # each system's typed config made once (3 ms a merge)
         if key not in typed:

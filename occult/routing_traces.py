@@ -36,3 +36,17 @@ def trace_topk(df: pd.DataFrame, layer: int) -> tuple[torch.Tensor, torch.Tensor
     ids = torch.tensor(sel.expert.to_numpy(), dtype=torch.long).view(-1, K)
     home = torch.tensor(sel["rank"].to_numpy()[::K], dtype=torch.long)
     return ids, home
+
+
+def trace_layers(run_dir) -> dict:
+    """Every layer of a run's trace: ``{layer: (topk_ids_NK, weights_NK, logits_NE or None)}``,
+    all ranks' tokens in rank order (the logits when the run wrote them)."""
+    df, logits = load_trace(run_dir)
+    out = {}
+    for layer in sorted(df.layer.unique().tolist()):
+        sel = df[df.layer == layer].sort_values(["rank", "token", "slot"])
+        K = int(sel.slot.max()) + 1
+        ids = torch.tensor(sel.expert.to_numpy(), dtype=torch.long).view(-1, K)
+        weights = torch.tensor(sel.weight.to_numpy(), dtype=torch.float32).view(-1, K)
+        out[int(layer)] = (ids, weights, torch.from_numpy(logits[layer]) if layer in logits else None)
+    return out

@@ -63,7 +63,7 @@ def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
             "tokens_per_rank": getattr(t, "tokens_per_rank", -1),
             "routing": getattr(t, "routing", "router" if t.whole_model else ""),
             "batch_size": getattr(t, "batch_size", -1), "seq_len": getattr(t, "seq_len", -1),
-            "seed": cfg.seed, "config_hash": digest, "clock": clock_name(c.backend),
+            "seed": cfg.seed, "config_hash": digest, "clock": t.clock or clock_name(c.backend),
             "launcher": world.kind if world is not None else "local"}
 
 
@@ -131,8 +131,8 @@ def run(cfg: DictConfig, out_dir, overrides: tuple = ()) -> Path | None:
     task = task_config(cfg.task)
     entry = import_object(task.entry)
     c = cfg.cluster
-    log.info("running %s model=%s task=%s on %d rank(s)", _systems_of(cfg, task), cfg.model.name, task.name,
-             c.world_size)
+    log.info("running %s model=%s task=%s on %d rank(s)%s", _systems_of(cfg, task), cfg.model.name, task.name,
+             c.world_size, " (simulated in one process)" if task.one_process else "")
     t0 = time.perf_counter()
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     cfg_dict["out_dir_resolved"] = str(out_dir)
@@ -143,10 +143,12 @@ def run(cfg: DictConfig, out_dir, overrides: tuple = ()) -> Path | None:
             cfg_dict = broadcast_from_rank0(cfg_dict)
     # one-off set-up the preparation did (e.g. pre-training a proxy): not a point's usual cost
     SETUP_DONE.extend(cfg_dict.pop("setup_done", []))
-    per_rank = launch(entry, c.world_size, (cfg_dict,), seed=cfg.seed,
+    # a task that simulates its world runs in one process (the world's layout is in its config)
+    ranks, layout = (1, 0) if task.one_process else (c.world_size, c.devices_per_node)
+    per_rank = launch(entry, ranks, (cfg_dict,), seed=cfg.seed,
                       timeout_s=c.run_timeout_s, collective_timeout_s=c.collective_timeout_s,
                       threads=c.threads_per_rank, backend=c.backend, host_memory_cache=c.host_memory_cache,
-                      devices_per_node=c.devices_per_node, single_rank_collectives=c.single_rank_collectives)
+                      devices_per_node=layout, single_rank_collectives=c.single_rank_collectives)
     if not leader:               # rank 0 writes
         return None
     rows = [r for rank_rows in per_rank for r in rank_rows]

@@ -94,12 +94,15 @@ def _check_task(task_cfg):
     return task
 
 
-def _check_world(c) -> None:
+def _check_world(c, t) -> None:
     """The world the run asks for exists: a launcher's world of that size, and one GPU per
-    local rank under NCCL."""
+    local rank under NCCL (a task that simulates its world runs in one process: one GPU)."""
     from .dist import job_world
 
     world = job_world()
+    if world is not None and t.one_process:
+        raise ConfigError(f"task={t.name} runs in one process (it simulates cluster.world_size={c.world_size} "
+                          f"ranks); run it without {world.kind}")
     if world is not None and world.world_size != c.world_size:
         raise ConfigError(f"cluster.world_size={c.world_size} but this {world.kind} job has {world.world_size} "
                           f"ranks: set cluster.world_size={world.world_size} (or start {c.world_size} ranks)")
@@ -107,7 +110,7 @@ def _check_world(c) -> None:
         return
     import torch
 
-    local = world.local_world_size if world is not None else c.world_size
+    local = world.local_world_size if world is not None else 1 if t.one_process else c.world_size
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < local:
         why = "torch.cuda.is_available() is False" if not torch.cuda.is_available() else f"it has {have}"
@@ -162,11 +165,12 @@ def validate(cfg, overrides: Sequence[str] = ()) -> list[str]:
                           f"cluster.world_size={P}: {divisors}")
     if c.backend not in BACKENDS:
         raise ConfigError(f"cluster.backend={c.backend!r}: allowed values are {list(BACKENDS)}")
-    _check_world(c)
+    _check_world(c, t)
     if t.uses_system:
         _check_system(cfg, t)
     else:
         _refuse_system(t, overrides)
+    t.check_run(cfg)
     if t.whole_model and not m.family:
         raise ConfigError(f"task={t.name} runs a whole model; model={m.name} has no model.family "
                           f"(a layer-only config). Models with a family: {_models_with_family()}")
@@ -179,7 +183,7 @@ def validate(cfg, overrides: Sequence[str] = ()) -> list[str]:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
     notes = []
     cores = os.cpu_count() or 1
-    if P > cores and c.backend == "gloo":
+    if P > cores and c.backend == "gloo" and not t.one_process:
         notes.append(f"cluster.world_size={P} is more than this machine's {cores} cores: "
                      "ranks will share cores, so times are slower and noisier (not an error)")
     return notes

@@ -4,7 +4,7 @@ The ranks run with torch's default device set to ``meta`` while every real tenso
 explicitly on ``cpu`` (the rank's device here): a tensor made without the device of its
 inputs is a meta tensor, which cannot mix with the real ones (an error) or gives wrong
 values (caught by the parity check every run makes first). Run over every system and
-every task (layer, prefill, decode, train, finetune), and shown to catch a system that
+every task (layer, prefill, decode, train, finetune; simulate: every plan), and shown to catch a system that
 makes one index tensor without ``device=`` (``helpers.HostOnlyDispatcher``). A whole model in
 bfloat16 (what a GPU run uses) runs prefill and train in the same world.
 """
@@ -32,7 +32,8 @@ TIMED = ["task.warmup=0", "task.iters=1"]
 MODELS = {"layer": "layer_small"}
 TASKS = {"layer": [*TIMED, "task.tokens_per_rank=64"], "prefill": [*TEXT, *TIMED],
          "decode": [*TEXT, *TIMED, "task.new_tokens=2"], "train": [*TEXT, *TIMED],
-         "finetune": [*TEXT, "task.tokens_per_rank=64", "task.steps=1"]}
+         "finetune": [*TEXT, "task.tokens_per_rank=64", "task.steps=1"],
+         "simulate": ["task.routing=uniform", "task.tokens_per_rank=16", "cluster.devices_per_node=1"]}
 P = 2
 
 
@@ -73,7 +74,9 @@ def every_job(tmp_path: Path) -> list:
         config = system_config(yaml_cfg)
         extra = {"placement_file": str(placement_file)} if name == "occult_placed" else {}
         for task in TASKS:
-            if not config.expert_parallel and task in ("layer", "finetune"):
+            if not config.expert_parallel and task in ("layer", "finetune", "simulate"):
+                continue
+            if task == "simulate" and config.plan_refusal():
                 continue
             if task == "prefill" and name != "naive":
                 # task=decode runs every system's MoE forward on the prompt first; the model's

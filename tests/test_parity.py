@@ -8,13 +8,22 @@ One world per world size runs the whole grid (starting ranks costs seconds). The
 are grouped into nodes (``NODES``: 4 ranks as 2 nodes of 2, 2 ranks one per node, 3 ranks
 in one node), so that a system that stages its exchange by node runs each of its paths
 (both stages, the inter-node stage alone, the intra-node stage alone); the others ignore it.
+
+The same worlds hold every system's traffic plan equal to what its ranks logged
+(:mod:`occult.ep.plan`): the grid's collectives on one case of each kind, and those of a
+traffic grid run beside it at P = 2 and 4 (the planned systems whose defaults are lossy,
+with their loss on, and the options that change traffic; at P = 4 the systems that read
+the node layout also as one node and as 4 nodes of 1).
 """
+from dataclasses import dataclass
+
 import pytest
 
 from occult.dist import launch
 from occult.ep import GateRule, system_config
 from occult.parity import TOLERANCE, LayerCase, disagreements, run_grid
 
+from plan_helpers import plan_disagreements, planned_systems, similarity_file, traffic_jobs, traffic_systems
 from systems import exact_systems
 TOPK = (1, 2, 6, 8)
 NODES = {1: 0, 2: 1, 3: 0, 4: 2}     # world size -> ranks per node (cluster.devices_per_node; 0: one node)
@@ -74,19 +83,64 @@ def failures_of(labels: list, results: list, P: int) -> list:
     return failures
 
 
-def run_all(P: int) -> list:
+# the traffic grid beside the parity grid: its world sizes, and the node layouts it runs in
+# each (None: the world's own, NODES)
+TRAFFIC_LAYOUTS = {2: (None,), 4: (None, 0, 1)}
+
+
+@dataclass
+class World:
+    """One parity world's results: the parity grid's and the traffic grid's."""
+
+    P: int
+    labels: list
+    results: list
+    traffic_labels: list
+    traffic_results: list
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda P: f"P{P}")
+def world(request, tmp_path_factory) -> World:
+    P = request.param
     jobs, labels = parity_jobs(P, exact_systems())
-    results = launch(run_grid, P, (jobs,), timeout_s=280, collective_timeout_s=60, devices_per_node=NODES[P])
-    return labels, results
+    traffic, traffic_labels = [], []
+    if P in TRAFFIC_LAYOUTS:
+        systems = traffic_systems(similarity_file(tmp_path_factory.mktemp("similarity"), P), exact_defaults=False)
+        traffic, traffic_labels = traffic_jobs(P, systems, TRAFFIC_LAYOUTS[P])
+    results = launch(run_grid, P, (jobs + traffic,), timeout_s=280, collective_timeout_s=60,
+                     devices_per_node=NODES[P])
+    n = len(jobs)
+    return World(P, labels, [r[:n] for r in results], traffic_labels, [r[n:] for r in results])
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("P", [1, 2, 3, 4])
-def test_every_system_matches_reference(P):
-    labels, results = run_all(P)
-    failures = failures_of(labels, results, P)
+def test_every_system_matches_reference(world):
+    failures = failures_of(world.labels, world.results, world.P)
     assert not failures, "\n".join(failures[:20])
-    assert len(labels) >= len(exact_systems()) * 4
+    assert len(world.labels) >= len(exact_systems()) * 4
+
+
+@pytest.mark.timeout(300)
+def test_simulated_traffic_equals_what_every_rank_logged(world):
+    """Every planned system's plan for every rank of the world, on the routing each rank
+    logged, equals each rank's logged collectives: calls, rows, bytes and metadata bytes
+    per peer pair, forward and backward (the parity grid's cases and the traffic grid's)."""
+    P, failures, compared = world.P, [], 0
+    planned, kinds = set(planned_systems(exact_systems())), set()
+    for i, (name, case, system) in enumerate(world.labels):
+        kind = (name, case.num_experts, case.routing, case.tokens[0] == 0, case.top_k == case.num_experts // P)
+        if name in planned and kind not in kinds:         # one case of each kind per system and E
+            kinds.add(kind)
+            per_rank = [r[i] for r in world.results]
+            failures += plan_disagreements(name, system, case, per_rank, P, NODES[P])
+            compared += 1
+    for i, (name, case, system, groups, layout) in enumerate(world.traffic_labels):
+        per_rank = [r[i] for r in world.traffic_results]
+        failures += plan_disagreements(name, system, case, per_rank, P, NODES[P] if layout is None else layout,
+                                       groups)
+        compared += 1
+    assert not failures, "\n".join(failures[:20])
+    assert compared >= len(planned) * 4
 
 
 def test_tolerance_follows_each_systems_precision():

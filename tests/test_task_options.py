@@ -21,7 +21,8 @@ EVERY_FIELD = ["tokens_per_rank", "routing", "zipf_s", "warmup", "iters", "backw
                "sync_collectives", "calibrate", "batch_size", "seq_len", "new_tokens", "corpus", "split", "lr",
                "steps", "timing_iters", "save_routing", "compare", "workload", "parity_tokens", "entry", "prepare",
                "expert_parallel_only", "whole_model",
-               "optimisers", "load_caps", "swap_time_limit_s"]     # the placement study's knobs, once constants
+               "optimisers", "load_caps", "swap_time_limit_s",     # the placement study's knobs, once constants
+               "trace", "source_tokens", "peer_rows"]              # task=simulate's routing source and rows
 
 
 def cfg_with(*overrides):

@@ -43,6 +43,37 @@ def test_tasks_write_their_figures_and_traces(tmp_path):
             reported = df[(df.metric == "ct_all") & (df["rank"] == -1) & (df.layer == layer)].value.item()
             assert ct_all(ids, Placement.contiguous(64, 2)) == pytest.approx(reported, abs=1e-12)
             assert logits[layer].shape == (ids.shape[0], 64)
+        if task != "decode":        # decode's trace holds every step's tokens of one layer together
+            logged = logged_traffic(df)
+            assert simulated_traffic(run_dir, backward=task == "train") == logged, task
+            assert any(k[3] == "backward" for k in logged) == (task == "train") and len(logged) > 100, task
+
+
+TRAFFIC_METRICS = ("rows", "bytes", "meta_bytes", "all_to_all_calls")
+
+
+def logged_traffic(df: pd.DataFrame) -> dict:
+    """A results table's traffic rows: (metric, layer, phase, pass, src, dst) -> value."""
+    sel = df[df.metric.isin(TRAFFIC_METRICS) & (df.layer >= 0)]
+    keys = zip(sel.metric, sel.layer, sel.phase, sel["pass"], sel.src_rank, sel.dst_rank, sel["rank"])
+    return {k: v for k, v in sorted(zip(keys, sel.value))}
+
+
+def simulated_traffic(run_dir: Path, backward: bool) -> dict:
+    """task=simulate of the run's world (the olmoe proxy of ``TINY`` on 2 ranks, system=occult)
+    on the run's own routing trace, in this process: its traffic rows."""
+    from omegaconf import OmegaConf
+
+    from occult.dist import RankContext
+    from occult.ep.comm import EPGroup
+    from occult.tasks.simulate import run_rank
+    from test_task_options import cfg_with
+
+    cfg = cfg_with("model=olmoe_proxy", "system=occult", "cluster=cpu2", "task=simulate", "task.routing=trace",
+                   f"task.trace='{run_dir}'", f"task.backward={backward}", "task.tokens_per_rank=32",
+                   *[o for o in TINY if o.startswith("model.")])
+    rows = run_rank(RankContext(0, 1, EPGroup(), 0), OmegaConf.to_container(cfg, resolve=True))
+    return logged_traffic(pd.DataFrame(rows))
 
 
 @pytest.mark.timeout(600)

@@ -26,7 +26,10 @@ config of a world is its own run), its figures and its ratios to the first syste
   baseline's iteration;
 * the targets of the "Occult at its limit" work (``report_options.bench`` of
   conf/experiment/bench.yaml: shapes, columns and bounds), each with its measured value
-  and, where one is measured, its floor (``measured_floor``, named in ``floor_is``).
+  and, where one is measured, its floor (``measured_floor``, named in ``floor_is``);
+* traffic plans (``task=simulate``, ``bench_plans.csv``): per system, the seconds and the
+  peak memory of planning one layer of its simulated world (the slowest layer), with the
+  bounds ``planning_time_bound_s`` and ``planning_memory_bound_GB``.
 
 Nothing here starts ranks: it reads result tables.
 """
@@ -243,14 +246,37 @@ def targets_table(layers: pd.DataFrame, models: pd.DataFrame, system: str = "occ
     return table
 
 
-def build(df: pd.DataFrame, out_dir, **targets) -> list:
+def planning_table(df: pd.DataFrame, time_bound_s=None, memory_bound_GB=None) -> pd.DataFrame:
+    """``task=simulate`` runs, one row per run: the world planned (ranks, ranks per node, its
+    tokens, E, K), the seconds of its slowest layer's plan and the peak memory of planning
+    (the process's, and what planning added), each against its bound (None: not checked)."""
+    out = []
+    for run_id, rows in df.groupby("run_id", sort=False):
+        value = lambda metric: rows[rows.metric == metric].value.max()
+        first = rows.iloc[0]
+        out.append({"system": first.system, "world_size": first.world_size, "devices_per_node": first.devices_per_node,
+                    "world_tokens": first.tokens_per_rank * first.world_size, "num_experts": first.num_experts,
+                    "top_k": first.top_k, "routing": first.routing, "planning_s": value("planning_time") / 1e3,
+                    "peak_memory_GB": value("planning_peak_memory") / 1e9,
+                    "added_memory_GB": value("planning_added_memory") / 1e9, "device": first.device, "run_id": run_id})
+    table = pd.DataFrame(out)
+    if not table.empty and time_bound_s is not None:
+        table["time_met"] = table.planning_s <= time_bound_s
+    if not table.empty and memory_bound_GB is not None:
+        table["memory_met"] = table.peak_memory_GB <= memory_bound_GB
+    return table
+
+
+def build(df: pd.DataFrame, out_dir, planning_time_bound_s=None, planning_memory_bound_GB=None, **targets) -> list:
     """Report builder: the benchmark tables (see the module docstring); ``targets``: the
-    options of :func:`targets_table` (the experiment's ``report_options.bench``)."""
+    options of :func:`targets_table` (the experiment's ``report_options.bench``), and the
+    planning bounds of :func:`planning_table`."""
     title = "Benchmark: systems in the same world, alternating iterations"
     out_dir = Path(out_dir)
     layer_runs, model_runs = df[df.task == "bench"], df[df.task == "bench_model"]
-    if layer_runs.empty and model_runs.empty:
-        return [Section(title, ["Not drawn: no task=bench or task=bench_model runs."])]
+    plan_runs = df[df.task == "simulate"]
+    if layer_runs.empty and model_runs.empty and plan_runs.empty:
+        return [Section(title, ["Not drawn: no task=bench, task=bench_model or task=simulate runs."])]
     layers = pd.DataFrame()
     if not layer_runs.empty:
         layers = pd.concat([ratio_table(runs, runs.system.iloc[0]) for _, runs in layer_runs.groupby("model", sort=False)],
@@ -277,6 +303,11 @@ def build(df: pd.DataFrame, out_dir, **targets) -> list:
     if not targets.empty:
         tables.append(("bench_targets", targets))
         md.append(targets.to_markdown(index=False, floatfmt=".3g"))
+    plans = planning_table(plan_runs, planning_time_bound_s, planning_memory_bound_GB)
+    if not plans.empty:
+        plans.to_csv(out_dir / "bench_plans.csv", index=False)
+        tables.append(("bench_plans", plans))
+        md.append(plans.to_markdown(index=False, floatfmt=".3g"))
     (out_dir / "bench.md").write_text("\n\n".join(md) + "\n")
     print("\n\n".join(md), flush=True)
     text = ["Ratios are to the first system of task.compare in the same world and sample (iterations "
@@ -288,5 +319,8 @@ def build(df: pd.DataFrame, out_dir, **targets) -> list:
             "Whole models: raw_a2a_ratio, the plain all_to_all_single replay of an iteration's collectives "
             "against the baseline's; a2a_only_ratio, the ratio if the only difference from the "
             "baseline were that transfer time (what the bytes alone can buy here). The targets' measured_floor: "
-            "the floor named in floor_is."]
+            "the floor named in floor_is. Traffic plans (task=simulate, one process): planning_s, the seconds to "
+            "plan every rank's collectives of the world's slowest layer; peak_memory_GB, the process's peak "
+            "resident memory while it planned (the device allocator's on a GPU), added_memory_GB what planning "
+            "added to the memory in use when it began."]
     return [Section(title, text, tables)]

@@ -8,7 +8,9 @@ Token states (Occult, Fig. 4):
 
 BRIM_0 [P, T]: for device p and ORI token t, the position of t's copy in the
 SFD send buffer, or -1 when none of t's experts is on p. The buffer is ordered
-by (device, token), so the rows for device p are contiguous.
+by (device, token), so the rows for device p are contiguous. It is built, and
+kept, sparse: the SFD row of each (token, k) pair (``row_TK``) and the inverse
+map (``token_R``, ``device_R``), O(T K) at any P; ``Brim0.index_PT`` is the dense map.
 
 BRIM_1 [e, R]: for local expert s and received SFD row r, the position of the
 pair (r, s) in EPD order, or -1 when row r does not use expert s. EPD is
@@ -28,17 +30,27 @@ from dataclasses import dataclass
 import torch
 
 from ..ep import Placement
-from ..ep.accounting import device_hits
 
 
 @dataclass(frozen=True)
 class Brim0:
-    """BRIM_0 and what is derived from it on the sending side."""
+    """BRIM_0 and what is derived from it on the sending side, built from the (token,
+    expert) pairs alone (no dense [P, T] tensor: O(T K), whatever the world size)."""
 
-    index_PT: torch.Tensor      # SFD position of (device, token), or -1
     token_R: torch.Tensor       # ORI token of each SFD row (the inverse map)
     device_R: torch.Tensor      # destination device of each SFD row
     send_P: torch.Tensor        # SFD rows per destination device
+    row_TK: torch.Tensor        # SFD row of each (token, k) pair, -1 for a dropped pair
+    num_tokens: int
+
+    @property
+    def index_PT(self) -> torch.Tensor:
+        """BRIM_0 itself [P, T]: the SFD position of (device, token), or -1 (a dense map, for
+        reading; the dispatch uses its sparse parts)."""
+        P, T = self.send_P.numel(), self.num_tokens
+        index_PT = torch.full((P, T), -1, dtype=torch.long, device=self.token_R.device)
+        index_PT[self.device_R, self.token_R] = torch.arange(self.token_R.numel(), device=self.token_R.device)
+        return index_PT
 
 
 @dataclass(frozen=True)
@@ -58,11 +70,18 @@ def _positions(hit_AB: torch.Tensor) -> torch.Tensor:
 
 
 def build_brim0(topk_ids_TK: torch.Tensor, placement: Placement) -> Brim0:
-    """BRIM_0 from the top-k ids of this rank's tokens and the placement."""
-    hit_PT = device_hits(topk_ids_TK, placement).t()      # dropped pairs (id -1) hit nothing
-    index_PT = _positions(hit_PT)
-    device_R, token_R = torch.nonzero(hit_PT, as_tuple=True)    # in SFD (device, token) order
-    return Brim0(index_PT, token_R, device_R, hit_PT.sum(1))
+    """BRIM_0 from the top-k ids of this rank's tokens and the placement: the distinct
+    (device, token) keys of the pairs, in (device, token) order, are the SFD rows (dropped
+    pairs, id -1, make none). This is also Occult's traffic plan: ``send_P``."""
+    T, K = topk_ids_TK.shape
+    keep_TK = topk_ids_TK >= 0
+    tok_TK = torch.arange(T, device=topk_ids_TK.device).unsqueeze(1).expand(T, K)
+    key_Q = placement.device_E[topk_ids_TK[keep_TK]] * T + tok_TK[keep_TK]
+    keys_R, row_Q = torch.unique(key_Q, sorted=True, return_inverse=True)
+    row_TK = torch.full_like(topk_ids_TK, -1)
+    row_TK[keep_TK] = row_Q
+    device_R = keys_R // max(T, 1)
+    return Brim0(keys_R % max(T, 1), device_R, torch.bincount(device_R, minlength=placement.num_devices), row_TK, T)
 
 
 def build_brim1(uses_Re: torch.Tensor) -> Brim1:
@@ -83,11 +102,9 @@ def local_expert_weights(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tenso
     :data:`UNUSED` (-1) where the row does not use that expert: ``weights_Re`` [R, e], in
     the weights' dtype, differentiable in the weights. Built from the (token, k) pairs
     through BRIM_0 (no dense [T, P, e] tensor)."""
-    T, K = topk_ids_TK.shape
     keep_TK = topk_ids_TK >= 0                                   # dropped pairs (id -1) are not sent
     ids_Q = topk_ids_TK[keep_TK]
-    tok_Q = torch.arange(T, device=topk_ids_TK.device).unsqueeze(1).expand(T, K)[keep_TK]
-    row_Q = brim0.index_PT[placement.device_E[ids_Q], tok_Q]     # each pair's SFD row
+    row_Q = brim0.row_TK[keep_TK]                                # each pair's SFD row
     w_Re = topk_weights_TK.new_full((brim0.token_R.numel(), placement.num_local), UNUSED)
     return w_Re.index_put((row_Q, placement.slot_E[ids_Q]), topk_weights_TK[keep_TK])
 

@@ -33,6 +33,8 @@ from typing import ClassVar, Optional
 import torch
 
 from ..ep import Exchange, Recorder, SplitDispatcher, all_to_all_rows, exchange_counts
+from ..ep.payload import wire_row_bytes
+from ..ep.plan import metadata_sends, returned, sends
 from ..ep.system import PayloadConfig
 from ..ep.accounting import span
 from ..ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
@@ -139,6 +141,17 @@ class OccultDispatcher(SplitDispatcher):
             weight_Q = w_recv_Re[brim1.row_Q, brim1.slot_Q]
         handle = OccultHandle(brim0, brim1, weight_Q, send_P, recv_P, x_TD.shape[0], layer, rec, kernels)
         return routed_QD, brim1.counts_e, handle
+
+    def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
+        """``counts`` (one int64 per rank), ``dispatch`` (BRIM_0's SFD rows, each with its e
+        gate weights) and ``combine`` (the dispatch returned, the merged rows)."""
+        P, e = self.ep.world_size, self.placement.num_local
+        send_P = build_brim0(topk_ids_TK, self.placement).send_P
+        d_bytes, d_meta = wire_row_bytes(self.config.payload_of("dispatch"), shape.hidden, e, shape.element_bytes)
+        c_bytes, c_meta = wire_row_bytes(self.config.payload_of("combine"), shape.hidden, 0, shape.element_bytes)
+        return [metadata_sends("counts", rank, [1] * P, send_P.element_size()),
+                sends("dispatch", rank, send_P, d_bytes, meta_row_bytes=d_meta),
+                returned("combine", 1, c_bytes, meta_row_bytes=c_meta)]
 
     def combine(self, y_QD, handle: OccultHandle):
         rec, layer = handle.recorder, handle.layer

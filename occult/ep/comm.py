@@ -44,6 +44,10 @@ from .payload import decode, encode, meta_bytes_per_row
 
 ALL_TO_ALL, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE = (
     "all_to_all", "all_gather", "reduce_scatter", "broadcast", "reduce")
+# the collective each kind's backward runs (the autograd functions below): the same traffic,
+# transposed (what the traffic plans of :mod:`occult.ep.plan` follow)
+BACKWARD_KIND = {ALL_TO_ALL: ALL_TO_ALL, ALL_GATHER: REDUCE_SCATTER, REDUCE_SCATTER: ALL_GATHER,
+                 BROADCAST: REDUCE, REDUCE: BROADCAST}
 
 
 @dataclass(frozen=True)

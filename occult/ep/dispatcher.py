@@ -22,6 +22,11 @@ received, e local experts.
 Either way ``out_TD`` is ``sum_k w_tk * expert_{id_tk}(x_t)`` for every token of this
 rank: **gate weights are applied inside the system, exactly once**. A system's options
 are its typed config (:class:`occult.ep.system.SystemConfig`), held as ``self.config``.
+
+A system whose traffic depends only on its routing, placement and node layout also has a
+**plan** (:meth:`Dispatcher.plan`, :mod:`occult.ep.plan`): the rows of each of its
+collectives, computed by the functions its dispatch sizes them with, for any rank of any
+world; ``no_plan`` says why a system has none.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from torch import nn
 from .accounting import Recorder, backward_span, span
 from .comm import EPGroup
 from .placement import Placement
+from .plan import Planned, RowShape
 from .router import RoutingTransform
 
 
@@ -51,6 +57,9 @@ class Dispatcher(ABC):
     impl: ClassVar[str] = "harness"
     exact: ClassVar[bool] = True
     precision: ClassVar[str] = "float64"
+    # why the system has no traffic plan (its rows depend on more than its routing, placement
+    # and node layout); "" for a system that has one (it implements ``plan``)
+    no_plan: ClassVar[str] = ""
 
     def __init__(self, ep: EPGroup, placement: Placement, config) -> None:
         if placement.num_devices != ep.world_size:
@@ -76,6 +85,29 @@ class Dispatcher(ABC):
                     ) -> torch.Tensor:
         """The routed layer: moves the tokens, runs this rank's ``experts`` and returns
         ``out_TD``, the gate-weighted sum of each token's expert outputs: [T, D] -> [T, D]."""
+
+    @classmethod
+    def has_plan(cls) -> bool:
+        """Whether the system states its traffic as a plan (it implements :meth:`plan`)."""
+        return not cls.no_plan and cls.plan is not Dispatcher.plan
+
+    def plan_facts(self, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> Optional[torch.Tensor]:
+        """What this rank tells every peer before anyone can plan (a vector [X], the same
+        length on every rank; e.g. its token count and largest expert load), or None. At run
+        time the dispatch exchanges it; :func:`occult.ep.plan.plan_world` stacks every rank's
+        into the ``facts_PX`` that :meth:`plan` gets."""
+        return None
+
+    def plan(self, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, rank: int, shape: RowShape,
+             facts_PX: Optional[torch.Tensor] = None, training: bool = True) -> list[Planned]:
+        """The collectives of one forward of this layer on rank ``rank`` of this dispatcher's
+        world (``self.ep``: its size and node layout; ``rank`` need not be this process's),
+        with the rows that rank's tokens (``topk_ids_TK``, ``topk_weights_TK``, after the
+        routing transform) put on each pair of ranks (:class:`occult.ep.plan.Planned`).
+        ``shape``: the rows' hidden width, FFN width and dtype; ``facts_PX``: every rank's
+        :meth:`plan_facts`; ``training``: the layer's backward runs."""
+        why = self.no_plan or "it does not implement Dispatcher.plan"
+        raise NotImplementedError(f"system={self.config.name} has no traffic plan: {why}")
 
 
 class SplitDispatcher(Dispatcher):

@@ -64,16 +64,29 @@ def routed_experts(x_TD: torch.Tensor, probs_TE: torch.Tensor, topk_ids_TK: torc
     the router's selection scores (default ``probs_TE``), for a transform that ranks
     experts as the router does (:mod:`occult.ep.router`)."""
     rec, li = recorder, layer_idx
-    transform = transform or dispatcher.routing_transform(layer_idx)
-    if transform is not None:
+    if (transform or dispatcher.routing_transform(li)) is not None:
         with span(rec, li, "route"):
-            extra = {"choice_TE": probs_TE if choice_TE is None else choice_TE} \
-                if getattr(transform, "takes_choice", False) else {}
-            topk_ids_TK, topk_weights_TK = transform(probs_TE, topk_ids_TK, topk_weights_TK,
-                                                     dispatcher.placement, **extra)
+            topk_ids_TK, topk_weights_TK = transformed_routing(dispatcher, li, probs_TE, topk_ids_TK,
+                                                               topk_weights_TK, transform, choice_TE)
     if rec is not None:
         rec.log_routing(li, topk_ids_TK, topk_weights_TK, logits_TE)
     return dispatcher.forward_moe(x_TD, topk_ids_TK, topk_weights_TK, experts, layer=li, recorder=rec)
+
+
+def transformed_routing(dispatcher: Dispatcher, layer_idx: int, probs_TE: Optional[torch.Tensor],
+                        topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                        transform: Optional[RoutingTransform] = None,
+                        choice_TE: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing the system's exchange runs with: the router's top-k ids and weights after
+    the routing transform (the layer's own, else the system's; none: unchanged); a transform
+    that ranks as the router does also gets ``choice_TE`` (default ``probs_TE``). Also what
+    the traffic simulator plans with (:mod:`occult.ep.plan`)."""
+    transform = transform or dispatcher.routing_transform(layer_idx)
+    if transform is None:
+        return topk_ids_TK, topk_weights_TK
+    extra = {"choice_TE": probs_TE if choice_TE is None else choice_TE} \
+        if getattr(transform, "takes_choice", False) else {}
+    return transform(probs_TE, topk_ids_TK, topk_weights_TK, dispatcher.placement, **extra)
 
 
 def reference_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,

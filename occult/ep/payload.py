@@ -66,3 +66,14 @@ def meta_bytes_per_row(payload: str, meta_cols: int) -> int:
     if payload == "bf16":
         return 4 * meta_cols
     return SCALE_BYTES + 4 * meta_cols
+
+
+def wire_row_bytes(payload: str, hidden: int, meta_cols: int, element_bytes: int) -> tuple[int, int]:
+    """``(row bytes, metadata bytes)`` of one row of ``hidden`` values and ``meta_cols``
+    metadata values (``element_bytes`` each in the rows' own dtype) as it crosses in
+    ``payload``: what :func:`encode` makes of it (``fp32``: the row as it is)."""
+    if payload == "fp32":
+        return (hidden + meta_cols) * element_bytes, meta_cols * element_bytes
+    if payload == "bf16":
+        return 2 * (hidden + 2 * meta_cols), meta_bytes_per_row(payload, meta_cols)
+    return hidden + SCALE_BYTES + 4 * meta_cols, meta_bytes_per_row(payload, meta_cols)

@@ -126,6 +126,14 @@ class SystemConfig:
         beside the defaults. ``[]`` when the system has one path."""
         return []
 
+    def plan_refusal(self) -> str:
+        """Why this system has no traffic plan (:meth:`occult.ep.dispatcher.Dispatcher.plan`),
+        or "" when it has one."""
+        cls = self.system_class()
+        if cls.has_plan():
+            return ""
+        return cls.no_plan or f"{cls.__module__}.{cls.__qualname__} does not implement Dispatcher.plan"
+
     def layer_placement(self, layer: int, num_experts: int, world_size: int) -> Placement:
         """The placement of MoE layer ``layer`` (contiguous unless a system says otherwise,
         e.g. from a placement artifact named in its options)."""

@@ -71,10 +71,10 @@ def counter_unit(name: str) -> str:
     return next((unit for word, unit in COUNTER_UNITS.items() if word in name.split("_")), "pairs")
 
 
-def comm_rows(rec: Recorder) -> list:
-    """Rows and bytes this rank sent to each peer, per layer, phase and pass; the number of
-    collectives of each kind per layer, phase and pass; and the dispatchers' counters
-    (dropped pairs, padding rows), summed per layer."""
+def comm_rows(rec: Recorder, per_peer: bool = True) -> list:
+    """Rows and bytes this rank sent to each peer, per layer, phase and pass (unless
+    ``per_peer`` is false); the number of collectives of each kind per layer, phase and pass;
+    and the dispatchers' counters (dropped pairs, padding rows), summed per layer."""
     counters: dict = {}
     for layer, name, value in rec.counters:
         counters[(layer, name)] = counters.get((layer, name), 0.0) + value
@@ -82,7 +82,7 @@ def comm_rows(rec: Recorder) -> list:
            for (layer, name), value in sorted(counters.items())]
     calls: dict = {}
     for ev in rec.comm:
-        for dst, n in enumerate(ev.rows_P):
+        for dst, n in enumerate(ev.rows_P if per_peer else ()):
             common = dict(layer=ev.layer, rank=rec.rank, phase=ev.phase, direction=ev.direction,
                           src_rank=ev.src_rank, dst_rank=dst)
             out.append(row("rows", n, "rows", **common))
@@ -95,6 +95,32 @@ def comm_rows(rec: Recorder) -> list:
     out += [row(f"{kind}_calls", n, "calls", layer=layer, rank=rec.rank, phase=phase, direction=direction)
             for (layer, phase, direction, kind), n in sorted(calls.items())]
     return out
+
+
+def token_rows(ids_TK: torch.Tensor, placement, home_T: torch.Tensor, layer: int, rank: int) -> list:
+    """C_T (all, remote), intra-collaboration ratio and the token count of the tokens
+    ``ids_TK`` (their home ranks ``home_T``), as rows of ``rank`` (-1: over all ranks)."""
+    return [row("ct_all", ct_all(ids_TK, placement), "devices/token", layer=layer, rank=rank),
+            row("ct_remote", ct_remote(ids_TK, placement, home_T), "devices/token", layer=layer, rank=rank),
+            row("intra_ratio", intra_ratio(ids_TK, placement), "ratio", layer=layer, rank=rank),
+            row("tokens", ids_TK.shape[0], "tokens", layer=layer, rank=rank)]
+
+
+def sent_rows(events, layer: int) -> dict:
+    """Rows a rank sent in the ``dispatch`` and ``combine`` phases of ``layer``: {(phase, pass): rows}."""
+    sent: dict = {}
+    for ev in events:
+        if ev.layer == layer and ev.phase in ("dispatch", "combine"):
+            sent[(ev.phase, ev.direction)] = sent.get((ev.phase, ev.direction), 0) + sum(ev.rows_P)
+    return sent
+
+
+def rows_per_token_row(rows: int, tokens: int, layer: int, phase: str, direction: str) -> list:
+    """Rows sent per token in a phase and pass over all ranks (none for a world without tokens)."""
+    if tokens <= 0:
+        return []
+    return [row("rows_per_token", rows / tokens, "rows/token", layer=layer, rank=-1, phase=phase,
+                direction=direction)]
 
 
 def routing_rows(ctx, rec: Recorder, placement) -> list:
@@ -111,22 +137,12 @@ def routing_rows(ctx, rec: Recorder, placement) -> list:
         gathered = gather_objects(ctx.ep, ids)
         home = torch.cat([torch.full((g.shape[0],), r, dtype=torch.long, device="cpu")
                           for r, g in enumerate(gathered)])
-        all_ids = torch.cat(gathered)
         mine = torch.full((ids.shape[0],), ctx.rank, dtype=torch.long, device="cpu")
-        for rank, ids_r, home_r in ((ctx.rank, ids, mine), (-1, all_ids, home)):
-            if rank == -1 and ctx.rank != 0:
-                continue
-            out += [row("ct_all", ct_all(ids_r, pl), "devices/token", layer=layer, rank=rank),
-                    row("ct_remote", ct_remote(ids_r, pl, home_r), "devices/token", layer=layer, rank=rank),
-                    row("intra_ratio", intra_ratio(ids_r, pl), "ratio", layer=layer, rank=rank),
-                    row("tokens", ids_r.shape[0], "tokens", layer=layer, rank=rank)]
-        sent = {}
-        for ev in rec.comm:
-            if ev.layer == layer and ev.phase in ("dispatch", "combine"):
-                sent[(ev.phase, ev.direction)] = sent.get((ev.phase, ev.direction), 0) + sum(ev.rows_P)
-        for (phase, direction), n in sorted(sent.items()):
+        out += token_rows(ids, pl, mine, layer, ctx.rank)
+        if ctx.rank == 0:
+            out += token_rows(torch.cat(gathered), pl, home, layer, -1)
+        for (phase, direction), n in sorted(sent_rows(rec.comm, layer).items()):
             total = sum_over_ranks(ctx.ep, torch.tensor([n, ids.shape[0]], dtype=torch.long, device=ctx.device))
-            if ctx.rank == 0 and total[1] > 0:
-                out.append(row("rows_per_token", total[0].item() / total[1].item(), "rows/token",
-                               layer=layer, rank=-1, phase=phase, direction=direction))
+            if ctx.rank == 0:
+                out += rows_per_token_row(total[0].item(), total[1].item(), layer, phase, direction)
     return out

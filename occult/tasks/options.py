@@ -49,6 +49,10 @@ class TaskConf:
     expert_parallel_only: ClassVar[bool] = False
     # the task runs the top-level ``system`` (False: it compares systems of its own, or runs none)
     uses_system: ClassVar[bool] = True
+    # the task runs in one process whatever ``cluster.world_size`` (it simulates that world),
+    # and what times its rows (the ``clock`` column; "": the cluster's clock)
+    one_process: ClassVar[bool] = False
+    clock: ClassVar[str] = ""
 
     @classmethod
     def option_names(cls) -> list:
@@ -63,6 +67,10 @@ class TaskConf:
         """Fields these values leave unread: name -> why (validation refuses each one that is
         set away from its default)."""
         return {}
+
+    def check_run(self, cfg) -> None:
+        """Raises :class:`ConfigError` (one line) for values that cannot run with this run's
+        model and cluster (``cfg``: the composed config), e.g. an input file of another shape."""
 
 
 @dataclass
@@ -311,6 +319,63 @@ class PlacementStudyTask(Gated, HeldOut):
                               "numbers >= 1.0 (max / mean device load), at least one")
         if self.swap_time_limit_s <= 0:
             raise ConfigError(f"task.swap_time_limit_s={self.swap_time_limit_s}: must be > 0 seconds")
+
+
+SIMULATED_ROUTINGS = ("router", "trace", "uniform", "zipf")
+
+
+@dataclass
+class SimulateTask(TaskConf):
+    """task=simulate: the traffic of a world that is not here (``cluster.world_size`` ranks,
+    ``cluster.devices_per_node`` a node), every rank's plan in one process
+    (:mod:`occult.tasks.simulate`). ``routing``: the model's routers on ``source_tokens``
+    tokens of held-out text (``router``), a run's routing trace (``trace``: the run folder
+    in ``trace``), or synthetic (``uniform``, ``zipf``); ``backward``: plan the backward's
+    collectives too; ``peer_rows``: a row per peer pair (false: per-rank totals only)."""
+
+    tokens_per_rank: int = 512          # T of every simulated rank
+    routing: str = "router"             # router | trace | uniform | zipf
+    zipf_s: float = 1.2                 # routing=zipf
+    trace: Optional[str] = None         # routing=trace: a run folder holding routing.parquet
+    source_tokens: int = 32768          # routing=router: held-out tokens the model routes
+    corpus: str = "shakespeare"         # routing=router: the held-out text
+    split: str = "validation"
+    seq_len: int = 128
+    backward: bool = True
+    peer_rows: bool = True
+
+    entry: ClassVar[str] = "occult.tasks.simulate.run_rank"
+    prepare: ClassVar[str] = "occult.tasks.simulate.prepare"
+    expert_parallel_only: ClassVar[bool] = True
+    one_process: ClassVar[bool] = True
+    clock: ClassVar[str] = "simulated"
+
+    def check(self) -> None:
+        super().check()
+        if self.routing not in SIMULATED_ROUTINGS:
+            raise ConfigError(f"task.routing={self.routing!r}: allowed values are {list(SIMULATED_ROUTINGS)}")
+        if self.zipf_s < 0:
+            raise ConfigError(f"task.zipf_s={self.zipf_s}: must be >= 0 (0 is uniform routing; larger is more skewed)")
+        for name in ("tokens_per_rank", "source_tokens", "seq_len"):
+            _at_least(name, getattr(self, name), 1)
+        if self.routing == "trace" and not self.trace:
+            raise ConfigError("task.trace is not set: task.routing=trace needs a run folder holding routing.parquet "
+                              "(a run with task.save_routing=true)")
+
+    def unread(self) -> Dict[str, str]:
+        out = super().unread()
+        if self.routing != "zipf":
+            out["zipf_s"] = "read only with task.routing=zipf"
+        if self.routing != "trace":
+            out["trace"] = "read only with task.routing=trace"
+        if self.routing != "router":
+            for name in ("source_tokens", "corpus", "split", "seq_len"):
+                out[name] = "read only with task.routing=router"
+        return out
+
+    def check_run(self, cfg) -> None:
+        from .simulate import check_source
+        check_source(self, cfg)
 
 
 @dataclass

@@ -62,14 +62,15 @@ def proxy_dir(cfg) -> Path:
 
 
 class RouterTap:
-    """Forward hooks on every MoE block's router: keeps (logits_TE, topk_ids_TK) per call."""
+    """Forward hooks on every MoE block's router: keeps (logits_TE, topk_ids_TK, topk_weights_TK)
+    per call (the gate's own output)."""
 
     def __init__(self, model, family):
         self.calls = []
         self.handles = [block.gate.register_forward_hook(self._hook) for _, _, block in moe_blocks(model, family)]
 
     def _hook(self, module, inputs, output):
-        self.calls.append((output[0], output[2]))
+        self.calls.append((output[0], output[2], output[1]))
 
     def remove(self):
         for h in self.handles:
@@ -79,7 +80,7 @@ class RouterTap:
 def balance_loss(calls, num_experts: int) -> torch.Tensor:
     """Mean over MoE layers of E * sum_e f_e * p_e (f: share of top-k picks, p: mean router prob)."""
     losses = []
-    for logits_TE, ids_TK in calls:
+    for logits_TE, ids_TK, _ in calls:
         probs_TE = torch.softmax(logits_TE.float(), dim=-1)
         f_E = torch.bincount(ids_TK.flatten(), minlength=num_experts).float() / ids_TK.numel()
         losses.append(num_experts * (f_E * probs_TE.mean(0)).sum())
@@ -122,7 +123,7 @@ def expert_load(model, family, ids_N, batch_size: int, seq_len: int, max_batches
     layers = [i for i, _, _ in moe_blocks(model, family)]
     E = moe_blocks(model, family)[0][2].gate.weight.shape[0]
     counts = {i: torch.zeros(E, device="cpu") for i in layers}
-    for j, (_, ids_TK) in enumerate(tap.calls):
+    for j, (_, ids_TK, _) in enumerate(tap.calls):
         counts[layers[j % len(layers)]] += torch.bincount(ids_TK.flatten(), minlength=E).float()
     return [(i, int((c == 0).sum()), float(c.max() / c.mean())) for i, c in counts.items()]
 

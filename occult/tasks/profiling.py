@@ -21,10 +21,11 @@ from ..ep import system_config
 
 
 @torch.no_grad()
-def profile_router_logits(model, family, ids_N: torch.Tensor, num_tokens: int, seq_len: int, seed: int,
-                          batch_size: int = 8) -> dict:
-    """Router logits of the single-device ``model`` on ``num_tokens`` tokens of random
-    windows (seeded) of ``ids_N``: ``{layer: logits [N, E] (float32 numpy)}``."""
+def route_text(model, family, ids_N: torch.Tensor, num_tokens: int, seq_len: int, seed: int,
+               batch_size: int = 8) -> dict:
+    """How the single-device ``model``'s routers route ``num_tokens`` tokens of random windows
+    (seeded) of ``ids_N``: ``{layer: (topk_ids_NK, topk_weights_NK, logits_NE)}``, the gates'
+    own output (the ids and weights its MoE blocks would run with), float32 on the host."""
     from ..data.batches import batch_iterator
     from ..models.build import moe_blocks
     from .pretrain import RouterTap
@@ -40,9 +41,19 @@ def profile_router_logits(model, family, ids_N: torch.Tensor, num_tokens: int, s
     finally:
         tap.remove()
     per_layer: dict = {layer: [] for layer in layers}
-    for j, (logits_TE, _) in enumerate(tap.calls):
-        per_layer[layers[j % len(layers)]].append(logits_TE.float())
-    return {layer: torch.cat(parts)[:num_tokens].numpy() for layer, parts in per_layer.items()}
+    for j, call in enumerate(tap.calls):
+        per_layer[layers[j % len(layers)]].append(call)
+    cat = lambda parts, i, kind: torch.cat([p[i] for p in parts])[:num_tokens].to("cpu", kind)
+    return {layer: (cat(parts, 1, torch.long), cat(parts, 2, torch.float32), cat(parts, 0, torch.float32))
+            for layer, parts in per_layer.items()}
+
+
+def profile_router_logits(model, family, ids_N: torch.Tensor, num_tokens: int, seq_len: int, seed: int,
+                          batch_size: int = 8) -> dict:
+    """Router logits of the single-device ``model`` on ``num_tokens`` tokens of random
+    windows (seeded) of ``ids_N``: ``{layer: logits [N, E] (float32 numpy)}``."""
+    routed = route_text(model, family, ids_N, num_tokens, seq_len, seed, batch_size)
+    return {layer: logits.numpy() for layer, (_, _, logits) in routed.items()}
 
 
 def needs_profile(system) -> bool:

@@ -1,0 +1,311 @@
+"""task=simulate: the traffic of a world that is not here, every rank's plan in one process.
+
+    python run.py task=simulate model=olmoe_proxy cluster.world_size=64 cluster.devices_per_node=8 system=occult
+
+The world is ``cluster.world_size`` ranks grouped ``cluster.devices_per_node`` to a node; it is
+never started. For each MoE layer of the model, the world's tokens (``task.tokens_per_rank``
+on every rank) are routed by the routing source, the system's routing transform is applied as
+the layer applies it (:func:`occult.ep.layer.transformed_routing`), and the system's traffic
+plan of every rank is added up (:func:`occult.ep.plan.plan_world`, on this process's
+device). Each simulated rank's collectives are then written by the writer of a real run
+(:func:`occult.tasks.common.comm_rows`), so the rows are the ones a run of that world would
+write: ``tests/test_plans.py`` holds the plans equal to the rows real runs log.
+
+Routing sources (``task.routing``):
+
+* ``router``: the model's own routers (a proxy's trained checkpoint, pre-trained first when
+  missing, or ``model.path``) on ``task.source_tokens`` tokens of random windows of held-out
+  text (``task.corpus`` / ``task.split``, ``task.seq_len`` long): the gates' top-k ids and
+  weights, what the model's MoE blocks would run with (one process, no expert parallelism);
+* ``trace``: a run's routing trace (``task.trace``: a run folder holding ``routing.parquet``,
+  with ``router_logits.npz`` when the run wrote one), every rank's tokens in rank order;
+* ``uniform``, ``zipf``: synthetic, per layer and rank from the seed: K distinct experts by
+  Gumbel top-k from the popularity (:func:`occult.synthetic.sample_router`), the Gumbel keys
+  serving as router logits, so that the gate weights (:func:`occult.ep.router.gate_weights`)
+  and a routing transform see router scores whose top-k are the ids.
+
+A source holds N tokens; rank r takes tokens ``[r T, (r + 1) T)`` of the first T P. When the
+world needs more than the source holds (T P > N), the world's T P tokens are drawn from the N
+with replacement (seeded, the same tokens in every layer), and the rows say so:
+``resampled_tokens`` is 1 (0 otherwise), ``source_tokens`` is N.
+
+Rows (``clock=simulated``; the only times are the planner's own): per simulated rank, what
+:func:`occult.tasks.common.comm_rows` writes for a real rank (``rows``, ``bytes`` and
+``meta_bytes`` per peer pair unless ``task.peer_rows=false``, ``<kind>_calls``), and per rank,
+phase and pass ``received_rows`` (rows that arrive, itself included), ``intra_node_bytes`` and
+``inter_node_bytes`` (bytes sent to other ranks of its node, and to other nodes); C_T, the
+intra-collaboration ratio and tokens per rank and over all ranks, ``rows_per_token``; per layer
+``planning_time`` (ms, the world's plan), ``planning_peak_memory`` (bytes: the process's peak
+during it on a CPU, the device allocator's on CUDA) and ``planning_added_memory`` (that peak
+less the memory in use when planning began). Not simulated: the dispatchers' counters
+(dropped pairs, padding rows) and every time.
+
+Shapes: N source tokens, W = T P world tokens, T tokens of a rank, K top-k, E experts, P ranks.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from ..ep import Recorder, system_config
+from ..ep.comm import EPGroup
+from ..ep.layer import transformed_routing
+from ..ep.measure import stopwatch
+from ..ep.plan import RowShape, plan_world, rank_events
+from ..ep.router import gate_weights
+from ..errors import ConfigError
+from ..memory import peak_memory
+from ..records import row
+from ..routing_traces import ROUTING_FILE, load_trace, trace_layers
+from ..synthetic import expert_popularity, sample_router
+from .common import comm_rows, rows_per_token_row, token_rows
+
+
+def moe_layers(m) -> list:
+    """The MoE layers of model config ``m``: its layers after the first ``first_k_dense``."""
+    return list(range(m.first_k_dense, m.num_layers))
+
+
+# ---------------------------------------------------------------------------
+# checking the source (at validation) and preparing it (in the launching process)
+# ---------------------------------------------------------------------------
+
+
+def check_source(task, cfg) -> None:
+    """The routing source fits the run: a model with routers for ``router``; for ``trace``, a
+    trace of this model's layers, K and E (and router logits where the system's routing
+    transform reads router probabilities). One line each (:class:`ConfigError`)."""
+    m = cfg.model
+    refusal = system_config(cfg.system).plan_refusal()
+    if refusal:
+        raise ConfigError(f"system={cfg.system.name} has no traffic plan: {refusal}; systems with one: "
+                          f"{planned_systems()}")
+    if task.routing == "router" and not m.family:
+        raise ConfigError(f"task.routing=router routes held-out text through the model's routers; model={m.name} "
+                          "is a layer-only config (no model.family): use task.routing=uniform, zipf or trace")
+    if task.routing != "trace":
+        return
+    folder = Path(task.trace)
+    if not (folder / ROUTING_FILE).is_file():
+        raise ConfigError(f"task.trace={task.trace!r} holds no {ROUTING_FILE} (a run with task.save_routing=true "
+                          "writes one)")
+    df, logits = load_trace(folder)
+    E, K, layers = m.num_experts, m.top_k, moe_layers(m)
+    if int(df.expert.max()) >= E or int(df.expert.min()) < -1:
+        raise ConfigError(f"task.trace={task.trace!r} routes to expert ids {int(df.expert.min())}.."
+                          f"{int(df.expert.max())}; model={m.name} has model.num_experts={E} (ids 0..{E - 1})")
+    if int(df.slot.max()) + 1 != K:
+        raise ConfigError(f"task.trace={task.trace!r} has top-{int(df.slot.max()) + 1} routing; model={m.name} has "
+                          f"model.top_k={K}")
+    found = sorted(int(x) for x in df.layer.unique())
+    if found != layers:
+        raise ConfigError(f"task.trace={task.trace!r} has {len(found)} MoE layer(s) {found}; model={m.name} has "
+                          f"{len(layers)}: {layers}")
+    if not logits and _transform_of(cfg, layers[0]) is not None:
+        raise ConfigError(f"system={cfg.system.name} applies a routing transform that reads router probabilities; "
+                          f"task.trace={task.trace!r} has no router logits (a run with task.save_routing=true on a "
+                          "whole model writes them)")
+
+
+def planned_systems() -> list:
+    """The conf/system names of the systems that have a traffic plan."""
+    import yaml
+
+    from .. import CONF_DIR
+
+    out = []
+    for path in sorted((CONF_DIR / "system").glob("*.yaml")):
+        config = system_config(yaml.safe_load(path.read_text()))
+        if config.expert_parallel and not config.plan_refusal():
+            out.append(path.stem)
+    return out
+
+
+def _transform_of(cfg, layer: int):
+    """The system's routing transform of ``layer`` (None: it has none)."""
+    ep = EPGroup(0, cfg.cluster.world_size, None, "cpu", cfg.cluster.devices_per_node)
+    return system_config(cfg.system).build(ep, layer, cfg.model.num_experts).routing_transform(layer)
+
+
+def prepare(cfg_dict: dict) -> dict:
+    """``routing=router``: the checkpoint whose routers route (a proxy pre-trained first when
+    missing: :func:`occult.tasks.model.prepare`); other sources read no weights."""
+    if cfg_dict["task"]["routing"] != "router":
+        cfg_dict["checkpoint"] = None
+        return cfg_dict
+    from .model import prepare as prepare_model
+    return prepare_model(cfg_dict)
+
+
+# ---------------------------------------------------------------------------
+# the world's routing
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """A routing source's tokens: ``{layer: (topk_ids_NK, weights_NK, logits_NE or None)}``
+    (host tensors) and ``index_W``, the source token of each of the world's tokens."""
+
+    layers: dict
+    index_W: Optional[torch.Tensor]
+    tokens: int
+
+    @property
+    def resampled(self) -> bool:
+        return self.index_W is not None and self.index_W.numel() > self.tokens
+
+
+def routed_source(cfg) -> dict:
+    """The layers of the ``router`` or ``trace`` source (see the module docstring)."""
+    t = cfg.task
+    if t.routing == "trace":
+        return trace_layers(t.trace)
+    from ..data.batches import token_ids
+    from ..data.tokenizer import get_tokenizer
+    from ..models.families import family_of
+    from ..models.runtime import base_model
+    from .profiling import route_text
+
+    tok = get_tokenizer(cfg.pretrain.tokenizer_vocab, corpus=cfg.pretrain.corpus)
+    model = base_model(cfg, cfg.model.vocab_size or tok.vocab_size, cfg.get("checkpoint"))
+    return route_text(model, family_of(cfg.model.family), token_ids(t.corpus, t.split, tok), t.source_tokens,
+                      t.seq_len, seed=cfg.seed + 11)
+
+
+def world_source(cfg) -> Optional[Source]:
+    """The source of a ``router`` or ``trace`` world, with the source token of each world
+    token (the first T P, or T P drawn with replacement when the source holds fewer);
+    None for synthetic routing."""
+    t = cfg.task
+    if t.routing not in ("router", "trace"):
+        return None
+    layers = routed_source(cfg)
+    N = next(iter(layers.values()))[0].shape[0]
+    W = t.tokens_per_rank * cfg.cluster.world_size
+    if N >= W:
+        return Source(layers, torch.arange(W, device="cpu"), N)
+    g = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + 17)
+    return Source(layers, torch.randint(0, N, (W,), generator=g, device="cpu"), N)
+
+
+def rank_routing(cfg, source: Optional[Source], layer: int, rank: int, device
+                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Rank ``rank``'s tokens in ``layer``: ``(topk_ids_TK, topk_weights_TK, probs_TE or None)``
+    on ``device``, before the system's routing transform."""
+    m, t = cfg.model, cfg.task
+    T = t.tokens_per_rank
+    if source is None:
+        g = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + 7919 * (layer + 1) + 104729 * (rank + 1))
+        ids_TK, probs_TE = sample_router(T, m.top_k, expert_popularity(t.routing, m.num_experts, t.zipf_s), g)
+        weights_TK = gate_weights(probs_TE, ids_TK, m.norm_topk_prob)
+    else:
+        ids_NK, w_NK, logits_NE = source.layers[layer]
+        pick_T = source.index_W[rank * T:(rank + 1) * T]
+        ids_TK, weights_TK = ids_NK[pick_T], w_NK[pick_T]
+        probs_TE = None if logits_NE is None else torch.softmax(logits_NE[pick_T].float(), dim=-1)
+    move = lambda x: None if x is None else x.to(device)
+    return move(ids_TK), move(weights_TK), move(probs_TE)
+
+
+# ---------------------------------------------------------------------------
+# the rows
+# ---------------------------------------------------------------------------
+
+
+def node_rows(world: list, world_size: int, devices_per_node: int, layer: int) -> list:
+    """Per rank, phase and pass: rows it receives, bytes it sends within its node and across
+    nodes (other ranks only)."""
+    P = world_size
+    node_P = torch.arange(P, device="cpu") // (devices_per_node or P)
+    same_PP = node_P.unsqueeze(1) == node_P.unsqueeze(0)
+    others_PP = ~torch.eye(P, dtype=torch.bool, device="cpu")
+    totals: dict = {}
+    for c in world:
+        rows_PP = c.rows_PP.cpu()
+        key = (c.phase, c.direction)
+        got = (rows_PP.sum(0), (rows_PP * (same_PP & others_PP)).sum(1) * c.row_bytes,
+               (rows_PP * ~same_PP).sum(1) * c.row_bytes)
+        totals[key] = got if key not in totals else tuple(a + b for a, b in zip(totals[key], got))
+    out = []
+    for (phase, direction), values in totals.items():
+        for name, unit, v_P in zip(("received_rows", "intra_node_bytes", "inter_node_bytes"),
+                                   ("rows", "bytes", "bytes"), values):
+            out += [row(name, v, unit, layer=layer, rank=r, phase=phase, direction=direction)
+                    for r, v in enumerate(v_P.tolist())]
+    return out
+
+
+def layer_rows(cfg, world: list, routing: list, placement, layer: int) -> list:
+    """A simulated layer's rows (see the module docstring), from its world traffic and every
+    rank's routing (after the transform)."""
+    t, c = cfg.task, cfg.cluster
+    P = c.world_size
+    out = []
+    for rank in range(P):
+        rec = Recorder(rank=rank)
+        rec.comm = rank_events(world, rank, layer)
+        out += comm_rows(rec, per_peer=t.peer_rows)
+    out += node_rows(world, P, c.devices_per_node, layer)
+    pl = placement.to("cpu")
+    ids = [ids_TK.cpu() for ids_TK, _ in routing]
+    home = [torch.full((x.shape[0],), r, dtype=torch.long, device="cpu") for r, x in enumerate(ids)]
+    for rank in range(P):
+        out += token_rows(ids[rank], pl, home[rank], layer, rank)
+    out += token_rows(torch.cat(ids), pl, torch.cat(home), layer, -1)
+    tokens = sum(x.shape[0] for x in ids)
+    for w in world:
+        if w.phase in ("dispatch", "combine"):
+            out += rows_per_token_row(int(w.rows_PP.sum()), tokens, layer, w.phase, w.direction)
+    return out
+
+
+@contextmanager
+def one_thread():
+    """Torch's intra-op threads at one for the block (restored after): planning is many small
+    operations per rank, for which more threads cost more than they save (a 256-rank layer
+    took 0.75 s at one thread and 4 s at two on this project's 2-core machine, both cores busy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_rank(ctx, cfg_dict: dict) -> list:
+    """The whole simulated world on this one process, at one intra-op thread; returns its rows."""
+    with one_thread():
+        return _simulate(ctx, cfg_dict)
+
+
+def _simulate(ctx, cfg_dict: dict) -> list:
+    """:func:`run_rank`'s work: every MoE layer's routing, world plan and rows."""
+    cfg = OmegaConf.create(cfg_dict)
+    m, t, c = cfg.model, cfg.task, cfg.cluster
+    ep = EPGroup(0, c.world_size, None, str(ctx.device), c.devices_per_node)    # never started: nothing is sent
+    shape = RowShape(m.hidden_size, m.expert_ffn_size, getattr(torch, m.dtype))
+    source = world_source(cfg)
+    rows = []
+    if source is not None:
+        rows += [row("source_tokens", source.tokens, "tokens"),
+                 row("resampled_tokens", float(source.resampled), "bool")]
+    for layer in moe_layers(m):
+        dispatcher = system_config(cfg.system).build(ep, layer, m.num_experts)
+        routing = []
+        for rank in range(c.world_size):
+            ids_TK, w_TK, probs_TE = rank_routing(cfg, source, layer, rank, ctx.device)
+            routing.append(transformed_routing(dispatcher, layer, probs_TE, ids_TK, w_TK))
+        with peak_memory(ctx.device) as mem, stopwatch() as sw:
+            world = plan_world(dispatcher, routing, shape, training=t.backward, backward=t.backward)
+        rows += [row("planning_time", sw.seconds * 1e3, "ms", layer=layer, phase="plan"),
+                 row("planning_peak_memory", mem.peak, "bytes", layer=layer, phase="plan"),
+                 row("planning_added_memory", max(mem.peak - mem.start, 0) if mem.peak >= 0 else -1, "bytes",
+                     layer=layer, phase="plan")]
+        rows += layer_rows(cfg, world, routing, dispatcher.placement, layer)
+    return rows
