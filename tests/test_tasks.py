@@ -46,7 +46,7 @@ def test_tasks_write_their_figures_and_traces(tmp_path):
         if task != "decode":        # decode's trace holds every step's tokens of one layer together
             logged = logged_traffic(df)
             assert simulated_traffic(run_dir, backward=task == "train") == logged, task
-            assert any(k[3] == "backward" for k in logged) == (task == "train") and len(logged) > 100, task
+            assert any(k[3] == "backward" for k in logged) == (task == "train") and len(logged) > 50, task
 
 
 TRAFFIC_METRICS = ("rows", "bytes", "meta_bytes", "all_to_all_calls")

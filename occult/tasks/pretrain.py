@@ -148,7 +148,9 @@ def _pretrain(cfg, out_dir: Path, progress: bool) -> dict:
     # pre-training's recipe (occult.tasks.training: why it differs from fine-tuning's)
     opt, sched = adamw(model.parameters(), t.lr, PRETRAIN_WEIGHT_DECAY, pretraining_schedule(t.steps))
     tap = RouterTap(model, fam)
-    rule, coef = gate_rule(m), t.balance_coef if m.balance_coef is None else m.balance_coef
+    # the model's balancing (fields a model config written before them may lack: their defaults)
+    balance, bias_speed = m.get("balance_loss", "switch"), m.get("bias_update_speed", 0.0)
+    rule, coef = gate_rule(m), t.balance_coef if m.get("balance_coef") is None else m.balance_coef
     curve, t0 = [], time.perf_counter()
     bar = tqdm(batch_iterator(train_ids, t.batch_size, t.seq_len, cfg.seed, t.steps), total=t.steps,
                desc=f"pretrain {m.name}", disable=not progress, mininterval=2.0)
@@ -156,15 +158,15 @@ def _pretrain(cfg, out_dir: Path, progress: bool) -> dict:
         tap.calls.clear()
         logits = model(input_ids=x_BS).logits
         lm = nnf.cross_entropy(logits.flatten(0, 1), y_BS.flatten())
-        bal = sequence_balance_loss(tap.calls, rule, x_BS.shape[0]) if m.balance_loss == "sequence" else \
+        bal = sequence_balance_loss(tap.calls, rule, x_BS.shape[0]) if balance == "sequence" else \
             balance_loss(tap.calls, m.num_experts)
         (lm + coef * bal).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if m.bias_update_speed:
-            update_correction_bias(model, fam, tap.calls, m.bias_update_speed)
+        if bias_speed:
+            update_correction_bias(model, fam, tap.calls, bias_speed)
         point = {"step": step + 1, "train_loss": lm.item(), "balance_loss": bal.item()}
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
             point["val_loss"] = evaluate(model, val_ids, 16, t.seq_len, max_batches=8)["loss"]
