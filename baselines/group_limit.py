@@ -7,8 +7,8 @@ highest, then the top-k of the selection scores among the experts on them
 (C_T <= M), as DeepSeek-V3 bounds a token's nodes (its groups are contiguous expert
 blocks; here they are the placement's devices). The selection scores are the router's
 (DeepSeek-V3's correction bias included; the softmax probabilities of the other
-families). M = P is the router's own top-k: exact, the lossless option the parity gate
-runs. Beside Occult's pruning (``occult_prune_score`` / ``occult_prune_sim``), which
+families). ``topk_group: null`` (or M = P) leaves the router's own routing: exact, the
+lossless option the parity gate runs. Beside Occult's pruning (``occult_prune_score`` / ``occult_prune_sim``), which
 bounds C_T the same way with other device scores.
 """
 from __future__ import annotations

@@ -26,7 +26,7 @@ means identity. A transform may drop pairs: an id of NO_EXPERT (weight 0) is a s
 the token does not use; systems that accept dropped pairs say so
 (``SystemConfig.accepts_dropped_pairs``).
 
-Shapes: T tokens, D hidden, E experts, K top-k, G groups.
+Shapes: T tokens, D hidden, E experts, K top-k, G groups, e experts per group.
 """
 from __future__ import annotations
 
