@@ -39,6 +39,13 @@ def no_data(title: str, what: str) -> list[Section]:
     return [Section(title, [f"Not drawn: these runs have no {what}."])]
 
 
+def write_table(table: pd.DataFrame, out_dir, name: str) -> None:
+    """Writes a builder's table as ``<name>.csv`` and ``<name>.md`` into ``out_dir``."""
+    out_dir = Path(out_dir)
+    table.to_csv(out_dir / f"{name}.csv", index=False)
+    (out_dir / f"{name}.md").write_text(table.to_markdown(index=False, floatfmt=".4g") + "\n")
+
+
 def available_builders() -> list[str]:
     """The builder names: the modules of :mod:`analysis.figures`."""
     folder = Path(__file__).resolve().parent / "figures"

@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from ..plots import save, style
-from ..sections import Section
+from ..sections import Section, write_table
 from .fig7_pruning import accuracy_frame
 
 METHODS = {"occult": "no cap (the router's own routing)", "group_limit": "DeepSeek-V3 group limit",
@@ -65,8 +65,7 @@ def build(df: pd.DataFrame, out_dir) -> list:
     if table.empty or not (table.system == "group_limit").any():
         return [Section(title, ["Not measured: no task=finetune runs of system=group_limit."])]
     out_dir = Path(out_dir)
-    table.to_csv(out_dir / "group_limit.csv", index=False)
-    (out_dir / "group_limit.md").write_text(table.to_markdown(index=False, floatfmt=".4g") + "\n")
+    write_table(table, out_dir, "group_limit")
     domain = next((c[:-len("_loss_after")] for c in table.columns
                    if c.endswith("_loss_after") and not c.startswith("shakespeare")), "shakespeare")
     capped = table[table.devices_cap.notna()]

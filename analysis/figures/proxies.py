@@ -9,14 +9,13 @@ busiest expert's load over the mean.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pandas as pd
 
 from occult.config import read_conf
 from occult.models.families import family_of
 
-from ..sections import Section
+from ..sections import Section, write_table
 
 
 def _router(m) -> str:
@@ -63,9 +62,7 @@ def build(df: pd.DataFrame, out_dir) -> list:
     table = proxies_table(df)
     if table.empty:
         return [Section(title, ["Not measured: no task=pretrain runs."])]
-    out_dir = Path(out_dir)
-    table.to_csv(out_dir / "proxies.csv", index=False)
-    (out_dir / "proxies.md").write_text(table.to_markdown(index=False, floatfmt=".4g") + "\n")
+    write_table(table, out_dir, "proxies")
     unigram = df[df.metric == "unigram_val_loss"].value
     text = ["Pre-training: `pretrain.*` settings (400 steps of 16 x 128 Shakespeare tokens by default), one "
             "process. Held-out = the Shakespeare validation split"

@@ -10,11 +10,10 @@ rank, median over samples) and their ratios to naive EP and to degree 1 at the s
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pandas as pd
 
-from ..sections import Section
+from ..sections import Section, write_table
 from ..summary import run_table, with_ratios
 
 COLUMNS = ["system", "impl", "tokens_per_rank", "degree", "padding_rows", "dispatch_remote_MB",
@@ -46,9 +45,7 @@ def build(df: pd.DataFrame, out_dir) -> list:
     table = overlap_table(df)
     if table.empty or not (table.system == "tutel").any():
         return [Section(title, ["Not measured: no task=layer runs of system=tutel."])]
-    out_dir = Path(out_dir)
-    table.to_csv(out_dir / "tutel_overlap.csv", index=False)
-    (out_dir / "tutel_overlap.md").write_text(table.to_markdown(index=False, floatfmt=".4g") + "\n")
+    write_table(table, out_dir, "tutel_overlap")
     text = ["On a CPU, Tutel pipelines nothing: its layer takes the overlap path for CUDA tensors only "
             "(NCCL kernels), so here the degree only rounds the capacity C up to a multiple of itself. "
             "Padding rows and bytes follow from that; times are measured in separate runs of one sweep "

@@ -43,6 +43,10 @@ from .plan import Planned, RowShape
 from .router import RoutingTransform
 
 
+class NoTrafficPlan(ValueError):
+    """A system whose traffic cannot be planned without running it (its ``no_plan`` says why)."""
+
+
 class Dispatcher(ABC):
     """A system's expert-parallel MoE layer on one rank.
 
@@ -107,7 +111,7 @@ class Dispatcher(ABC):
         ``shape``: the rows' hidden width, FFN width and dtype; ``facts_PX``: every rank's
         :meth:`plan_facts`; ``training``: the layer's backward runs."""
         why = self.no_plan or "it does not implement Dispatcher.plan"
-        raise NotImplementedError(f"system={self.config.name} has no traffic plan: {why}")
+        raise NoTrafficPlan(f"system={self.config.name} has no traffic plan: {why}")
 
 
 class SplitDispatcher(Dispatcher):
