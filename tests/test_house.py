@@ -268,17 +268,19 @@ def test_a_stale_lock_ends_quickly_and_names_the_file(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_pretraining_is_bit_reproducible_whatever_the_callers_threads(tmp_path):
+@pytest.mark.parametrize("proxy,arch", [("olmoe_proxy", {}), ("deepseek_v3_proxy", {"n_group": 2, "topk_group": 1})])
+def test_pretraining_is_bit_reproducible_whatever_the_callers_threads(tmp_path, proxy, arch):
     """The same config and seed give the same checkpoint, even when the calling process
-    runs at another thread count (pretrain.threads is what the training uses)."""
+    runs at another thread count (pretrain.threads is what the training uses); DeepSeek-V3's
+    proxy trains with its own balancing (the sequence-wise loss, the correction bias)."""
     import hashlib
 
     import torch
     from omegaconf import OmegaConf
 
     from occult.tasks.pretrain import pretrain
-    model = OmegaConf.load(CONF_DIR / "model" / "olmoe_proxy.yaml")
-    model.update(hidden_size=32, expert_ffn_size=16, num_layers=2, num_experts=8, top_k=2)
+    model = OmegaConf.load(CONF_DIR / "model" / f"{proxy}.yaml")
+    model.update(hidden_size=32, expert_ffn_size=16, num_layers=2, num_experts=8, top_k=2, **arch)
     cfg = OmegaConf.create({"model": model, "seed": 3, "pretrain": {
         "steps": 3, "lr": 3e-3, "batch_size": 2, "seq_len": 16, "balance_coef": 0.1, "tokenizer_vocab": 4096,
         "corpus": "shakespeare", "eval_every": 0, "threads": 2}})

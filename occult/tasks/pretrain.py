@@ -92,7 +92,7 @@ def sequence_balance_loss(calls, rule, batch: int) -> torch.Tensor:
     sum_e f_e P_e per sequence, f_e = E / (K S) * (picks of e in the sequence), P_e the
     sequence's mean of the normalised scores s_e / sum_j s_j."""
     losses = []
-    for logits_TE, ids_TK in calls:
+    for logits_TE, ids_TK, _ in calls:          # RouterTap's (logits, ids, weights)
         T, E = logits_TE.shape
         K, S = ids_TK.shape[1], T // batch
         s_TE = rule.scores(logits_TE)
@@ -109,7 +109,7 @@ def update_correction_bias(model, family, calls, speed: float) -> None:
     correction bias moves by ``speed`` towards balance (down for an expert chosen more
     often than the mean in the step, up for one chosen less)."""
     blocks = [block for _, _, block in moe_blocks(model, family)]
-    for block, (_, ids_TK) in zip(blocks, calls):
+    for block, (_, ids_TK, _) in zip(blocks, calls):
         bias_E = block.gate.e_score_correction_bias
         load_E = torch.bincount(ids_TK.flatten(), minlength=bias_E.numel()).float()
         bias_E += speed * torch.sign(load_E.mean() - load_E)
