@@ -45,10 +45,22 @@ def a2a_seconds(bytes_PP: np.ndarray, link: Link, calls: int = 1) -> float:
     remote = ~np.eye(P, dtype=bool)
     same = (node[:, None] == node[None, :]) & remote
     cross = node[:, None] != node[None, :]
-    intra = np.maximum((bytes_PP * same).sum(1), (bytes_PP * same).sum(0))
-    inter = np.maximum((bytes_PP * cross).sum(1), (bytes_PP * cross).sum(0))
+    return a2a_seconds_of_totals((bytes_PP * same).sum(1), (bytes_PP * same).sum(0), (bytes_PP * cross).sum(1),
+                                 (bytes_PP * cross).sum(0), link, calls, multi_node=bool(cross.any()))
+
+
+def a2a_seconds_of_totals(sent_intra_P, received_intra_P, sent_inter_P, received_inter_P, link: Link,
+                          calls: int = 1, multi_node: bool = True) -> float:
+    """:func:`a2a_seconds` from each rank's bytes sent to and received from the other ranks of
+    its node and the other nodes ([P] each): the same price, for worlds whose peer pairs are
+    not written (a simulated world of 256 ranks: ``task.peer_rows=false``). ``multi_node``:
+    the world has more than one node (the call pays the inter-node latency)."""
+    intra = np.maximum(np.asarray(sent_intra_P, dtype=float), np.asarray(received_intra_P, dtype=float))
+    inter = np.maximum(np.asarray(sent_inter_P, dtype=float), np.asarray(received_inter_P, dtype=float))
+    if intra.size <= 1:
+        return 0.0
     t_rank = np.maximum(intra / link.intra_Bps, inter / link.inter_Bps if inter.any() else 0.0)
-    latency = link.inter_latency_s if cross.any() and link.inter_latency_s else link.intra_latency_s
+    latency = link.inter_latency_s if multi_node and link.inter_latency_s else link.intra_latency_s
     return calls * latency + float(t_rank.max())
 
 

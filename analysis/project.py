@@ -30,7 +30,7 @@ def project(paths, profile_name: str, model: str = "own"):
     proj = project_runs(df, profile, target)
     if proj.empty:
         sizes = sorted(int(p) for p in df.world_size.unique())
-        want = sorted(profile.calibration) if profile.calibration else [profile.world_size]
+        want = profile.sizes()
         raise ValueError(f"profile={profile_name}: no run to project; it needs runs at world size {want}, "
                          f"these runs have {sizes}")
     return proj, projected_totals(proj)

@@ -32,7 +32,7 @@ import pandas as pd
 from occult.config import read_conf
 from occult.ep.links import ELEMENT_BYTES, Link, Profile, pipeline_seconds
 
-from .pricing import collective_seconds, expert_seconds
+from .pricing import a2a_seconds_of_totals, collective_seconds, expert_seconds
 from .summary import RUN_KEYS, SYSTEM_KEYS
 
 PROJECTED = "projected"
@@ -87,6 +87,59 @@ def _collectives(run: pd.DataFrame) -> pd.DataFrame:
                     "meta_PP": _peer_matrix(m, P), "rows": rows, "calls": int(calls.get((layer, phase, direction), 1)),
                     "kind": kinds.get((layer, phase, direction), "all_to_all")})
     return pd.DataFrame(out, columns=["layer", "phase", "direction", "bytes_PP", "meta_PP", "rows", "calls", "kind"])
+
+
+# a simulated world without peer rows (task.peer_rows=false): each rank's bytes by node
+TOTALS = ("intra_node_bytes", "received_intra_node_bytes", "inter_node_bytes", "received_inter_node_bytes")
+
+
+def has_peer_bytes(run: pd.DataFrame) -> bool:
+    """Whether the run wrote per-peer ``bytes`` rows (else it may have per-rank :data:`TOTALS`)."""
+    return bool((run.metric == "bytes").any())
+
+
+def _collective_totals(run: pd.DataFrame) -> pd.DataFrame:
+    """Per (layer, phase, pass) of a run with per-rank :data:`TOTALS` only: the four [P]
+    vectors (sent / received within the node, sent / received across nodes), calls 1, kind."""
+    P = int(run.world_size.iloc[0])
+    kinds = _kinds(run)
+    t = run[run.metric.isin(TOTALS) & (run["rank"] >= 0)]
+    out = []
+    for (layer, phase, direction), g in t.groupby(["layer", "phase", "pass"]):
+        vectors = []
+        for name in TOTALS:
+            v = np.zeros(P)
+            m = g[g.metric == name]
+            np.add.at(v, m["rank"].to_numpy(int), m.value.to_numpy(float))
+            vectors.append(v)
+        out.append({"layer": layer, "phase": phase, "direction": direction, "totals": tuple(vectors), "calls": 1,
+                    "kind": kinds.get((layer, phase, direction), "all_to_all")})
+    return pd.DataFrame(out, columns=["layer", "phase", "direction", "totals", "calls", "kind"])
+
+
+def _priced_totals(c, run: pd.DataFrame, link, target: Optional["Target"], profile: "Profile") -> float:
+    """Seconds of one collective of :func:`_collective_totals` (all-to-all-like kinds only:
+    a rooted collective's price needs its peer pairs). Per-rank totals are not re-sized: the
+    run must be at the target's width and the profile's element size."""
+    if c.kind in ("broadcast", "reduce"):
+        raise ValueError(f"run {run.run_id.iloc[0]}: a {c.kind} ({c.phase}) is priced from its peer pairs; "
+                         "simulate it with task.peer_rows=true")
+    D_run, element = int(run.hidden_size.iloc[0]), _run_element_bytes(run)
+    if target is not None and (target.hidden_size != D_run or element != profile.element_bytes):
+        raise ValueError(f"run {run.run_id.iloc[0]}: per-rank byte totals (task.peer_rows=false) are projected "
+                         f"at the run's own width (D={D_run}, {element}-byte elements), not re-sized to "
+                         f"{target.name} (D={target.hidden_size}) in {profile.dtype}: simulate the target model "
+                         "(task.routers=<its proxy>)")
+    P = int(run.world_size.iloc[0])
+    multi_node = bool(link.devices_per_node) and link.devices_per_node < P
+    return a2a_seconds_of_totals(*c.totals, link, c.calls, multi_node=multi_node)
+
+
+def _run_element_bytes(run: pd.DataFrame) -> int:
+    """Bytes of one element of the run's hidden rows: the model's dtype (its ``dtype`` column
+    when the run has one; the harness's float32 otherwise)."""
+    dtype = str(run.dtype.iloc[0]) if "dtype" in run else "float32"
+    return ELEMENT_BYTES.get(dtype, 4)
 
 
 def _peer_matrix(g: pd.DataFrame, P: int) -> np.ndarray:
@@ -206,10 +259,12 @@ def project_run(run: pd.DataFrame, profile: Profile, target: Optional[Target] = 
     link = profile.at(P)
     D_run, F_run = int(run.hidden_size.iloc[0]), int(run.expert_ffn_size.iloc[0])
     D, F = (target.hidden_size, target.expert_ffn_size) if target else (D_run, F_run)
-    coll = _collectives(run)
+    peer = has_peer_bytes(run)
+    coll = _collectives(run) if peer else _collective_totals(run)
     out, a2a = [], {}
     for c in coll.itertuples():
-        ms = collective_seconds(_resized(c, run, profile, target), link, c.calls, c.kind) * 1e3
+        ms = (collective_seconds(_resized(c, run, profile, target), link, c.calls, c.kind) if peer
+              else _priced_totals(c, run, link, target, profile)) * 1e3
         a2a.setdefault(c.layer, []).append((c.phase, c.direction, c.calls, ms))
         out.append({"layer": c.layer, "component": f"a2a:{c.phase}", "pass": c.direction, "ms": ms})
     backward = bool((run["pass"] == "backward").any())
@@ -296,7 +351,7 @@ def project_runs(df: pd.DataFrame, profile: Profile, target=None, single_device:
     for run_id, run in df.groupby("run_id", sort=False):
         P = int(run.world_size.iloc[0])
         covered = profile.covers(P)
-        exchanges = (run.metric == "bytes").any()
+        exchanges = has_peer_bytes(run) or run.metric.isin(TOTALS).any()
         if not covered or not (exchanges or single_device) or not same_nodes(run, profile.at(P)):
             continue
         tgt = target_model(real_model_of(str(run.model.iloc[0]))) if target == "real" else target

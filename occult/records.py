@@ -2,7 +2,7 @@
 
 Columns: the run's context (run_id, experiment, label, system, impl,
 system_options, model, init, task, cluster, world_size, devices_per_node, num_experts, top_k,
-hidden_size, expert_ffn_size, tokens_per_rank, routing, batch_size, seq_len, seed,
+hidden_size, expert_ffn_size, dtype, tokens_per_rank, routing, batch_size, seq_len, seed,
 config_hash), the measurement (layer, rank, phase, pass, metric, value, unit,
 sample, src_rank, dst_rank) and provenance (git_commit, torch_version, device,
 hostname, time, clock, launcher).
@@ -35,7 +35,7 @@ MEASUREMENT_COLUMNS = ["layer", "rank", "phase", "pass", "metric", "value", "uni
                        "src_rank", "dst_rank"]
 CONTEXT_COLUMNS = ["run_id", "experiment", "label", "system", "impl", "system_options", "model", "init", "task",
                    "cluster", "world_size", "devices_per_node", "num_experts", "top_k", "hidden_size", "expert_ffn_size",
-                   "tokens_per_rank", "routing", "batch_size", "seq_len", "seed", "config_hash"]
+                   "dtype", "tokens_per_rank", "routing", "batch_size", "seq_len", "seed", "config_hash"]
 PROVENANCE_COLUMNS = ["git_commit", "torch_version", "device", "hostname", "time", "clock", "launcher"]
 COLUMNS = CONTEXT_COLUMNS + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
 RESULTS_FILE = "results.parquet"
@@ -47,8 +47,11 @@ NOT_HASHED = ("resume", "out_dir", "report", "report_options", "cluster.run_time
 # written before them holds
 LATER_KEYS = {"cluster.devices_per_node": 0, "cluster.single_rank_collectives": False,
               "task.optimisers": ["contiguous", "random", "greedy", "swap_search"],
-              "task.load_caps": [None, 1.25, 1.15, 1.1], "task.swap_time_limit_s": 10.0}
-LATER_COLUMNS = {"devices_per_node": 0}
+              "task.load_caps": [None, 1.25, 1.15, 1.1], "task.swap_time_limit_s": 10.0,
+              "task.total_tokens": 0, "task.routers": None, "task.sample_layers": 0}
+# a table written before ``dtype`` was a column: the harness's default element type (runs in
+# bfloat16 then were the GPU check's)
+LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32"}
 
 
 def row(metric: str, value: float, unit: str, *, layer: int = -1, rank: int = -1, phase: str = "",

@@ -59,8 +59,9 @@ def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
             "experiment": cfg.experiment_name, "label": cfg.label, **system, "model": m.name,
             "init": cfg_dict.get("checkpoint") or "random", "task": t.name, "cluster": c.name,
             "world_size": c.world_size, "devices_per_node": c.devices_per_node, "num_experts": m.num_experts, "top_k": m.top_k,
-            "hidden_size": m.hidden_size, "expert_ffn_size": m.expert_ffn_size,
-            "tokens_per_rank": getattr(t, "tokens_per_rank", -1),
+            "hidden_size": m.hidden_size, "expert_ffn_size": m.expert_ffn_size, "dtype": m.dtype,
+            "tokens_per_rank": (t.total_tokens // c.world_size if getattr(t, "total_tokens", 0)
+                                else getattr(t, "tokens_per_rank", -1)),
             "routing": getattr(t, "routing", "router" if t.whole_model else ""),
             "batch_size": getattr(t, "batch_size", -1), "seq_len": getattr(t, "seq_len", -1),
             "seed": cfg.seed, "config_hash": digest, "clock": t.clock or clock_name(c.backend),

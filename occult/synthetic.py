@@ -26,8 +26,11 @@ def gumbel_keys(num_tokens: int, popularity_E: torch.Tensor, generator: torch.Ge
     is a draw of K distinct experts without replacement with probabilities ``popularity_E``."""
     E = popularity_E.numel()
     u_TE = torch.rand(num_tokens, E, generator=generator, dtype=torch.float64,
-                      device=generator.device).clamp_min(1e-300)
-    return popularity_E.to(u_TE.device).log().unsqueeze(0) - torch.log(-torch.log(u_TE))
+                      device=generator.device).clamp_min_(1e-300)
+    # in place, the same operations as log p - log(-log u): a world of 10^6 tokens x 256
+    # experts makes these the simulator's largest tensors
+    gumbel_TE = u_TE.log_().neg_().log_().neg_()
+    return gumbel_TE.add_(popularity_E.to(gumbel_TE.device).log().unsqueeze(0))
 
 
 def sample_topk(num_tokens: int, top_k: int, popularity_E: torch.Tensor, generator: torch.Generator,

@@ -40,7 +40,7 @@ def build(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         profile = load_profile(name)
         tot = projected_totals(project_runs(layer_df, profile, target))
         if tot.empty:
-            missing.append(f"{name} (needs task=layer runs at world_size {profile.world_size})")
+            missing.append(f"{name} (needs task=layer runs at world size {profile.sizes()})")
             continue
         projected.append(tot)
     proj = pd.concat(projected, ignore_index=True) if projected else pd.DataFrame()

@@ -146,5 +146,5 @@ def build(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                     "ratios lie between 1 and these. Profile "
                     f"numbers are spec-sheet figures with assumed efficiencies: {profile.source}.")
     else:
-        text.append(f"No projection: {FIG1_PROFILE} needs runs at world size {profile.world_size}.")
+        text.append(f"No projection: {FIG1_PROFILE} needs runs at world size {profile.sizes()}.")
     return [Section(title, text, tables, figs)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -149,8 +150,23 @@ def backward_span(recorder: "Recorder | None", layer: int, name: str, inputs, ou
 
 
 def devices_per_token(topk_ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """Distinct devices among each token's top-k experts: shape [T] (long)."""
-    return device_hits(topk_ids_TK, placement).sum(1)
+    """Distinct devices among each token's top-k experts: shape [T] (long; dropped pairs,
+    id -1, count for no device). Sorts each token's K devices and counts the changes: no
+    [T, P] table, so a world of a million tokens over 256 devices costs O(T K)."""
+    return _distinct_devices(topk_ids_TK, placement)[0]
+
+
+def _distinct_devices(topk_ids_TK: torch.Tensor, placement: Placement) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(distinct_T, dev_TK)``: each token's distinct devices (long [T]) and the device of each
+    of its pairs (long [T, K], -1 for a dropped pair)."""
+    keep_TK = topk_ids_TK >= 0
+    dev_TK = torch.where(keep_TK, placement.device_E[topk_ids_TK.clamp_min(0)], -1)
+    if dev_TK.shape[1] == 0:
+        return torch.zeros(dev_TK.shape[0], dtype=torch.long, device=dev_TK.device), dev_TK
+    sorted_TK = dev_TK.sort(dim=1).values
+    first_T = (sorted_TK[:, 0] >= 0).long()
+    changes_T = ((sorted_TK[:, 1:] != sorted_TK[:, :-1]) & (sorted_TK[:, 1:] >= 0)).sum(1)
+    return first_T + changes_T, dev_TK
 
 
 def device_hits(topk_ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
@@ -165,6 +181,55 @@ def device_hits(topk_ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor
     return hit_TP
 
 
+@dataclass(frozen=True)
+class TokenDevices:
+    """Per token, what C_T and the intra-collaboration ratio are made of ([T] each, long):
+    distinct devices among its top-k experts, those other than its home device, ordered
+    pairs of its kept (non-dropped) experts on one device, and ordered pairs of kept experts."""
+
+    distinct_T: torch.Tensor
+    remote_T: torch.Tensor
+    same_pairs_T: torch.Tensor
+    pairs_T: torch.Tensor
+
+    def ct_all(self) -> float:
+        return self.distinct_T.float().mean().item() if self.distinct_T.numel() else float("nan")
+
+    def ct_remote(self) -> float:
+        return self.remote_T.float().mean().item() if self.remote_T.numel() else float("nan")
+
+    def intra_ratio(self) -> float:
+        pairs = int(self.pairs_T.sum())
+        return int(self.same_pairs_T.sum()) / pairs if pairs else float("nan")
+
+    def rows(self, start: int, stop: int) -> "TokenDevices":
+        """The tokens ``[start, stop)``."""
+        return TokenDevices(self.distinct_T[start:stop], self.remote_T[start:stop], self.same_pairs_T[start:stop],
+                            self.pairs_T[start:stop])
+
+
+def token_devices(topk_ids_TK: torch.Tensor, placement: Placement, home_T: Optional[torch.Tensor] = None
+                  ) -> TokenDevices:
+    """:class:`TokenDevices` of tokens ``topk_ids_TK`` (dropped pairs, id -1, count for nothing)
+    whose home devices are ``home_T`` (None: remote counts are the distinct counts). O(T K^2)
+    small operations, no [T, P] table."""
+    distinct_T, dev_TK = _distinct_devices(topk_ids_TK, placement)
+    T, K = dev_TK.shape
+    remote_T = distinct_T
+    if home_T is not None:
+        remote_T = distinct_T - (dev_TK == home_T.to(dev_TK.device).unsqueeze(1)).any(1).long()
+    kept_TK = dev_TK >= 0
+    kept_T = kept_TK.sum(1)
+    # experts of a token per device: lengths of the runs of equal devices in its sorted row
+    sorted_TK = dev_TK.sort(dim=1).values
+    starts_TK = torch.ones_like(sorted_TK, dtype=torch.bool)
+    starts_TK[:, 1:] = sorted_TK[:, 1:] != sorted_TK[:, :-1]
+    run_TK = starts_TK.long().cumsum(1) - 1 + torch.arange(T, device=dev_TK.device).unsqueeze(1) * K
+    count_R = torch.bincount(run_TK.flatten(), weights=(sorted_TK >= 0).flatten().double(), minlength=T * K)
+    same_T = (count_R * (count_R - 1)).view(T, K).sum(1).round().long()
+    return TokenDevices(distinct_T, remote_T, same_T, kept_T * (kept_T - 1))
+
+
 def ct_all(topk_ids_TK: torch.Tensor, placement: Placement) -> float:
     """C_T counting the copy a token sends to its own device: mean distinct devices per token."""
     if topk_ids_TK.shape[0] == 0:
@@ -177,28 +242,14 @@ def ct_remote(topk_ids_TK: torch.Tensor, placement: Placement, home_T: torch.Ten
 
     ``home_T`` is each token's home device (the rank it lives on).
     """
-    T = topk_ids_TK.shape[0]
-    if T == 0:
-        return float("nan")
-    hit_TP = device_hits(topk_ids_TK, placement)
-    hit_TP[torch.arange(T, device=hit_TP.device), home_T] = False
-    return hit_TP.sum(1).float().mean().item()
+    return token_devices(topk_ids_TK, placement, home_T).ct_remote()
 
 
 def intra_ratio(topk_ids_TK: torch.Tensor, placement: Placement) -> float:
     """Share of co-activated expert pairs (same token) hosted on the same device."""
-    K = topk_ids_TK.shape[1]
-    if topk_ids_TK.shape[0] == 0 or K < 2:
+    if topk_ids_TK.shape[0] == 0 or topk_ids_TK.shape[1] < 2:
         return float("nan")
-    keep_TK = topk_ids_TK >= 0                      # dropped pairs (id -1) pair with nothing
-    dev_TK = placement.device_E[topk_ids_TK.clamp_min(0)]
-    both_TKK = keep_TK.unsqueeze(2) & keep_TK.unsqueeze(1)
-    same_TKK = (dev_TK.unsqueeze(2) == dev_TK.unsqueeze(1)) & both_TKK
-    kept_T = keep_TK.sum(1)
-    pairs = int((kept_T * (kept_T - 1)).sum())
-    if pairs == 0:
-        return float("nan")
-    return (same_TKK.sum().item() - int(kept_T.sum())) / pairs
+    return token_devices(topk_ids_TK, placement).intra_ratio()
 
 
 def ct_bounds(num_experts: int, top_k: int, world_size: int) -> tuple[int, int]:

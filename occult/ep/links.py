@@ -30,7 +30,9 @@ class ProfileConf:
     """A projection profile (``conf/profile``): a cluster that is not here, for the cost
     model. Bandwidths in GB/s per device and direction."""
     name: str = MISSING
-    world_size: int = 0                 # devices (0: per calibrated world size)
+    world_size: int = 0                 # devices (0: per calibrated world size, or each of world_sizes)
+    world_sizes: List[int] = field(default_factory=list)   # the world sizes fixed links hold for (nodes of
+                                                           # devices_per_node; [] : world_size alone)
     backend: str = "nccl"
     devices_per_node: int = 0           # 0: every device in one node
     intra_node_GBps: float = 0.0        # device <-> device within a node (nominal)
@@ -40,6 +42,7 @@ class ProfileConf:
     inter_node_latency_us: float = 0.0  # per all-to-all call that crosses nodes
     device_TFLOPs: float = 0.0          # dense matmul peak per device at `dtype`
     memory_GBps: float = 0.0            # device memory bandwidth (0: experts modelled compute-bound)
+    memory_GB: float = 0.0              # device memory capacity (0: not stated; the advisor's fit check)
     dtype: str = "bfloat16"             # element type of projected activations (bfloat16, float32)
     link_efficiency: float = 1.0        # achieved / nominal bandwidth (an assumption unless measured)
     compute_efficiency: float = 1.0     # achieved / peak matmul throughput (idem)
@@ -81,10 +84,16 @@ class Profile:
     link: Optional[Link] = None         # fixed links (GPU profiles)
     calibration: dict = field(default_factory=dict)   # {P: Link} (this machine)
     source: str = ""
+    world_sizes: tuple = ()             # fixed links for each of these world sizes (nodes of a fixed size)
+    memory_GB: float = 0.0              # device memory capacity (0: not stated)
+
+    def sizes(self) -> list:
+        """The world sizes the profile has links for."""
+        return sorted(self.calibration) if self.calibration else sorted(self.world_sizes or [self.world_size])
 
     def covers(self, world_size: int) -> bool:
         """Whether the profile has links for a world of ``world_size`` ranks."""
-        return world_size in self.calibration if self.calibration else world_size == self.world_size
+        return world_size in self.sizes()
 
     def at(self, world_size: int) -> Link:
         """The links and compute for a run of ``world_size`` ranks (raises if the profile has none)."""
@@ -94,10 +103,11 @@ class Profile:
                                  f"not {world_size} (rerun python run.py experiment=calibrate "
                                  f"hydra.sweeper.params.cluster=cpu{world_size},...)")
             return self.calibration[world_size]
-        if world_size != self.world_size:
-            raise ValueError(f"profile={self.name} has world_size={self.world_size}; a run measured at "
+        if not self.covers(world_size):
+            raise ValueError(f"profile={self.name} has links for world sizes {self.sizes()}; a run measured at "
                              f"world_size={world_size} has another per-peer byte pattern. Project runs "
-                             f"measured with cluster.world_size={self.world_size}")
+                             f"measured with cluster.world_size="
+                             f"{self.sizes()[0] if len(self.sizes()) == 1 else self.sizes()}")
         return self.link
 
     @property
@@ -148,9 +158,15 @@ def profile_from_dict(c: dict) -> Profile:
     calibration = calibration_links(c.get("calibration"))
     if not calibration and not c.get("intra_node_GBps"):
         raise ValueError(f"profile={name}: needs intra_node_GBps (GB/s) or a calibration list")
+    sizes = tuple(int(p) for p in c.get("world_sizes") or [])
+    per_node = int(c.get("devices_per_node", 0) or 0)
+    if sizes and (calibration or any(p < 1 or (per_node and p > per_node and p % per_node) for p in sizes)):
+        raise ValueError(f"profile={name}: world_sizes={list(sizes)}: allowed values are positive world sizes "
+                         f"that fill whole nodes of devices_per_node={per_node}, for a profile of fixed links "
+                         "(not a calibration list)")
     return Profile(name=name, world_size=int(c.get("world_size", 0) or 0), dtype=c.get("dtype") or "float32",
                    link=None if calibration else link_from_fields(c), calibration=calibration,
-                   source=c.get("source", ""))
+                   source=c.get("source", ""), world_sizes=sizes, memory_GB=float(c.get("memory_GB", 0.0) or 0.0))
 
 
 def available_profiles() -> list[str]:

@@ -5,7 +5,8 @@ from typing import Optional
 
 import torch
 
-from ..ep import Placement, Recorder, ct_all, ct_remote, intra_ratio, system_config
+from ..ep import Placement, Recorder, system_config
+from ..ep.accounting import TokenDevices, token_devices
 from ..ep.measure import gather_objects, sum_over_ranks
 from ..models.families import family_of, gate_rule
 from ..parity import TOLERANCE, LayerCase, check_layer, disagreements
@@ -100,10 +101,16 @@ def comm_rows(rec: Recorder, per_peer: bool = True) -> list:
 def token_rows(ids_TK: torch.Tensor, placement, home_T: torch.Tensor, layer: int, rank: int) -> list:
     """C_T (all, remote), intra-collaboration ratio and the token count of the tokens
     ``ids_TK`` (their home ranks ``home_T``), as rows of ``rank`` (-1: over all ranks)."""
-    return [row("ct_all", ct_all(ids_TK, placement), "devices/token", layer=layer, rank=rank),
-            row("ct_remote", ct_remote(ids_TK, placement, home_T), "devices/token", layer=layer, rank=rank),
-            row("intra_ratio", intra_ratio(ids_TK, placement), "ratio", layer=layer, rank=rank),
-            row("tokens", ids_TK.shape[0], "tokens", layer=layer, rank=rank)]
+    return token_rows_of(token_devices(ids_TK, placement, home_T), layer, rank)
+
+
+def token_rows_of(stats: TokenDevices, layer: int, rank: int) -> list:
+    """:func:`token_rows` from the tokens' :class:`occult.ep.accounting.TokenDevices` (a
+    simulated world computes them once for all its tokens and slices them per rank)."""
+    return [row("ct_all", stats.ct_all(), "devices/token", layer=layer, rank=rank),
+            row("ct_remote", stats.ct_remote(), "devices/token", layer=layer, rank=rank),
+            row("intra_ratio", stats.intra_ratio(), "ratio", layer=layer, rank=rank),
+            row("tokens", stats.distinct_T.numel(), "tokens", layer=layer, rank=rank)]
 
 
 def sent_rows(events, layer: int) -> dict:

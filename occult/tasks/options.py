@@ -325,15 +325,18 @@ SIMULATED_ROUTINGS = ("router", "trace", "uniform", "zipf")
 
 
 @dataclass
-class SimulateTask(TaskConf):
-    """task=simulate: the traffic of a world that is not here (``cluster.world_size`` ranks,
-    ``cluster.devices_per_node`` a node), every rank's plan in one process
-    (:mod:`occult.tasks.simulate`). ``routing``: the model's routers on ``source_tokens``
-    tokens of held-out text (``router``), a run's routing trace (``trace``: the run folder
-    in ``trace``), or synthetic (``uniform``, ``zipf``); ``backward``: plan the backward's
-    collectives too; ``peer_rows``: a row per peer pair (false: per-rank totals only)."""
+class RoutedWorld(TaskConf):
+    """The routing of a world that is not here (``cluster.world_size`` ranks), for the tasks
+    that compute it in one process (:mod:`occult.tasks.simulate`): the model's routers on
+    ``source_tokens`` tokens of held-out text (``router``), a run's routing trace (``trace``:
+    the run folder in ``trace``), or synthetic (``uniform``, ``zipf``); ``sample_layers``:
+    how many MoE layers to compute (0: every one; :func:`occult.tasks.simulate.task_layers`);
+    ``routers``: route with another model's routers (a trained proxy of a full config that
+    has none here); ``total_tokens``: the world's tokens (strong
+    scaling; 0: ``tokens_per_rank`` on every rank)."""
 
     tokens_per_rank: int = 512          # T of every simulated rank
+    total_tokens: int = 0               # the world's tokens, T = total_tokens / P (0: tokens_per_rank)
     routing: str = "router"             # router | trace | uniform | zipf
     zipf_s: float = 1.2                 # routing=zipf
     trace: Optional[str] = None         # routing=trace: a run folder holding routing.parquet
@@ -341,10 +344,10 @@ class SimulateTask(TaskConf):
     corpus: str = "shakespeare"         # routing=router: the held-out text
     split: str = "validation"
     seq_len: int = 128
-    backward: bool = True
-    peer_rows: bool = True
+    routers: Optional[str] = None       # routing=router: the conf/model whose routers route (a trained proxy
+                                        # of the model's E and K; null: the model's own)
+    sample_layers: int = 0              # MoE layers computed: 0 every one, n evenly spaced (1: the middle one)
 
-    entry: ClassVar[str] = "occult.tasks.simulate.run_rank"
     prepare: ClassVar[str] = "occult.tasks.simulate.prepare"
     expert_parallel_only: ClassVar[bool] = True
     one_process: ClassVar[bool] = True
@@ -358,9 +361,11 @@ class SimulateTask(TaskConf):
             raise ConfigError(f"task.zipf_s={self.zipf_s}: must be >= 0 (0 is uniform routing; larger is more skewed)")
         for name in ("tokens_per_rank", "source_tokens", "seq_len"):
             _at_least(name, getattr(self, name), 1)
+        _at_least("total_tokens", self.total_tokens, 0)
         if self.routing == "trace" and not self.trace:
             raise ConfigError("task.trace is not set: task.routing=trace needs a run folder holding routing.parquet "
                               "(a run with task.save_routing=true)")
+        _at_least("sample_layers", self.sample_layers, 0)
 
     def unread(self) -> Dict[str, str]:
         out = super().unread()
@@ -369,13 +374,66 @@ class SimulateTask(TaskConf):
         if self.routing != "trace":
             out["trace"] = "read only with task.routing=trace"
         if self.routing != "router":
-            for name in ("source_tokens", "corpus", "split", "seq_len"):
+            for name in ("source_tokens", "corpus", "split", "seq_len", "routers"):
                 out[name] = "read only with task.routing=router"
+        if self.total_tokens:
+            out["tokens_per_rank"] = "not read with task.total_tokens set (tokens per rank = total_tokens / world size)"
         return out
 
     def check_run(self, cfg) -> None:
         from .simulate import check_source
         check_source(self, cfg)
+
+
+@dataclass
+class SimulateTask(RoutedWorld):
+    """task=simulate: the traffic of a world that is not here (``cluster.world_size`` ranks,
+    ``cluster.devices_per_node`` a node), every rank's plan in one process
+    (:mod:`occult.tasks.simulate`), on the routing of :class:`RoutedWorld`. ``backward``:
+    plan the backward's collectives too; ``peer_rows``: a row per peer pair (false:
+    per-rank totals only)."""
+
+    backward: bool = True
+    peer_rows: bool = True
+
+    entry: ClassVar[str] = "occult.tasks.simulate.run_rank"
+
+
+@dataclass
+class PlaceTask(RoutedWorld):
+    """task=place: a placement artifact for a world that is not here, in one process
+    (:mod:`occult.tasks.place`): each MoE layer's experts grouped onto ``cluster.world_size``
+    devices by ``optimiser`` (a placement optimiser, :data:`occult.placement.OPTIMISERS`) at
+    ``load_cap`` (max / mean device load; null: none), swap_search stopping after
+    ``time_limit_s`` per layer, from the routing of :class:`RoutedWorld` (by default the
+    routers on the *training* split: a profiling set, not the held-out text simulate
+    routes). Writes ``placements.json`` into the run folder, for ``system.placement_file``."""
+
+    split: str = "train"
+    optimiser: str = "swap_search"
+    load_cap: Optional[float] = 1.25
+    time_limit_s: float = 10.0
+
+    entry: ClassVar[str] = "occult.tasks.place.run_rank"
+    uses_system: ClassVar[bool] = False          # it places experts; no system runs
+
+    def check(self) -> None:
+        super().check()
+        from ..placement import OPTIMISERS
+
+        if self.optimiser not in OPTIMISERS:
+            raise ConfigError(f"task.optimiser={self.optimiser!r}: allowed values are {sorted(OPTIMISERS)}")
+        if self.load_cap is not None and self.load_cap < 1.0:
+            raise ConfigError(f"task.load_cap={self.load_cap}: allowed values are null (no cap) or a number >= 1.0 "
+                              "(max / mean device load)")
+        if self.time_limit_s <= 0:
+            raise ConfigError(f"task.time_limit_s={self.time_limit_s}: must be > 0 seconds")
+
+    def unread(self) -> Dict[str, str]:
+        out = super().unread()
+        if self.optimiser != "swap_search":
+            out["time_limit_s"] = "read only with task.optimiser=swap_search"
+        return out
 
 
 @dataclass

@@ -44,6 +44,7 @@ Shapes: N source tokens, W = T P world tokens, T tokens of a rank, K top-k, E ex
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ..ep import Recorder, system_config
+from ..ep.accounting import token_devices
 from ..ep.comm import EPGroup
 from ..ep.layer import transformed_routing
 from ..ep.measure import stopwatch
@@ -63,12 +65,32 @@ from ..memory import peak_memory
 from ..records import row
 from ..routing_traces import ROUTING_FILE, load_trace, trace_layers
 from ..synthetic import expert_popularity, sample_router
-from .common import comm_rows, rows_per_token_row, token_rows
+from .common import comm_rows, rows_per_token_row, token_rows_of
 
 
 def moe_layers(m) -> list:
     """The MoE layers of model config ``m``: its layers after the first ``first_k_dense``."""
     return list(range(m.first_k_dense, m.num_layers))
+
+
+def task_layers(cfg) -> list:
+    """The MoE layers the task computes: every MoE layer of the model (``task.sample_layers``
+    0 or at least their number), else that many evenly spaced (1: the middle layer; 2: the
+    first and the last; 3: first, middle, last)."""
+    layers, n = moe_layers(cfg.model), int(cfg.task.get("sample_layers") or 0)
+    if n == 0 or n >= len(layers):
+        return layers
+    if n == 1:
+        return [layers[len(layers) // 2]]
+    step = (len(layers) - 1) / (n - 1)
+    return sorted({layers[round(i * step)] for i in range(n)})
+
+
+def rank_tokens(cfg) -> int:
+    """Tokens of every simulated rank: ``task.total_tokens / P`` (strong scaling) or
+    ``task.tokens_per_rank``."""
+    t = cfg.task
+    return t.total_tokens // cfg.cluster.world_size if t.get("total_tokens") else t.tokens_per_rank
 
 
 # ---------------------------------------------------------------------------
@@ -81,11 +103,12 @@ def check_source(task, cfg) -> None:
     trace of this model's layers, K and E (and router logits where the system's routing
     transform reads router probabilities). One line each (:class:`ConfigError`)."""
     m = cfg.model
-    refusal = system_config(cfg.system).plan_refusal()
+    check_world(task, cfg)
+    refusal = system_config(cfg.system).plan_refusal() if task.name == "simulate" else None
     if refusal:
         raise ConfigError(f"system={cfg.system.name} has no traffic plan: {refusal}; systems with one: "
                           f"{planned_systems()}")
-    if task.routing == "router" and not m.family:
+    if task.routing == "router" and not m.family and not task.routers:
         raise ConfigError(f"task.routing=router routes held-out text through the model's routers; model={m.name} "
                           "is a layer-only config (no model.family): use task.routing=uniform, zipf or trace")
     if task.routing != "trace":
@@ -106,10 +129,30 @@ def check_source(task, cfg) -> None:
     if found != layers:
         raise ConfigError(f"task.trace={task.trace!r} has {len(found)} MoE layer(s) {found}; model={m.name} has "
                           f"{len(layers)}: {layers}")
-    if not logits and _transform_of(cfg, layers[0]) is not None:
+    if task.name == "simulate" and not logits and _transform_of(cfg, layers[0]) is not None:
         raise ConfigError(f"system={cfg.system.name} applies a routing transform that reads router probabilities; "
                           f"task.trace={task.trace!r} has no router logits (a run with task.save_routing=true on a "
                           "whole model writes them)")
+
+
+def check_world(task, cfg) -> None:
+    """``task.total_tokens`` shares out evenly over the world's ranks; ``task.routers`` names a
+    model whose routers can route this one (one line each, :class:`ConfigError`)."""
+    P = cfg.cluster.world_size
+    if task.routing == "router" and task.routers:
+        from ..config import read_conf
+        r, m = read_conf("model", task.routers), cfg.model
+        if not r.family:
+            raise ConfigError(f"task.routers={task.routers}: a layer-only config has no routers; give a whole model "
+                              "(a trained proxy)")
+        if (r.num_experts, r.top_k) != (m.num_experts, m.top_k) or len(moe_layers(r)) < len(task_layers(cfg)):
+            raise ConfigError(f"task.routers={task.routers} routes E={r.num_experts}, top-{r.top_k} in "
+                              f"{len(moe_layers(r))} MoE layers; model={m.name} needs E={m.num_experts}, "
+                              f"top-{m.top_k} and routers for {len(task_layers(cfg))} layer(s) "
+                              f"(task.sample_layers)")
+    if task.total_tokens and task.total_tokens % P:
+        raise ConfigError(f"task.total_tokens={task.total_tokens} does not share out over cluster.world_size={P} "
+                          f"ranks: give a multiple of {P}")
 
 
 def planned_systems() -> list:
@@ -139,7 +182,21 @@ def prepare(cfg_dict: dict) -> dict:
         cfg_dict["checkpoint"] = None
         return cfg_dict
     from .model import prepare as prepare_model
-    return prepare_model(cfg_dict)
+    routers = cfg_dict["task"].get("routers")
+    if not routers:
+        return prepare_model(cfg_dict)
+    prepared = prepare_model(routers_config(cfg_dict))       # the routers' model: its checkpoint
+    return {**cfg_dict, "checkpoint": prepared["checkpoint"], "setup_done": prepared.get("setup_done", [])}
+
+
+def routers_config(cfg_dict: dict) -> dict:
+    """The run's config with ``model`` replaced by the model whose routers route
+    (``task.routers``; the run's own model when unset)."""
+    routers = cfg_dict["task"].get("routers")
+    if not routers:
+        return cfg_dict
+    from ..config import read_conf
+    return {**cfg_dict, "model": OmegaConf.to_container(read_conf("model", routers), resolve=True)}
 
 
 # ---------------------------------------------------------------------------
@@ -162,10 +219,63 @@ class Source:
 
 
 def routed_source(cfg) -> dict:
-    """The layers of the ``router`` or ``trace`` source (see the module docstring)."""
+    """The layers of the ``router`` or ``trace`` source (see the module docstring); the
+    routers' output is cached on disk (:func:`cached_routing`), since every point of a
+    sweep over systems and world sizes routes the same text through the same checkpoint."""
     t = cfg.task
     if t.routing == "trace":
         return trace_layers(t.trace)
+    routed = OmegaConf.create(routers_config(OmegaConf.to_container(cfg, resolve=True)))
+    layers = cached_routing(routed, lambda: _route_held_out(routed))
+    if not t.get("routers"):
+        return layers
+    # the routers' MoE layers, sampled as the model's are, stand for the model's sampled layers
+    mine, theirs = task_layers(cfg), task_layers(OmegaConf.merge(routed, {"task": {"sample_layers": len(task_layers(cfg))}}))
+    return {layer: layers[other] for layer, other in zip(mine, theirs)}
+
+
+ROUTING_CACHE = Path(__file__).resolve().parents[2] / "runs" / "cache" / "routing"
+
+
+def routing_key(cfg) -> str:
+    """What the routers' output depends on: the checkpoint's bytes (sha256), the model
+    config, the text (corpus, split), the tokens, the window length and the seed."""
+    import hashlib
+    import json
+
+    ckpt = cfg.get("checkpoint")
+    digest = "untrained"
+    if ckpt:
+        h = hashlib.sha256()
+        files = sorted(Path(ckpt).rglob("*")) if Path(ckpt).is_dir() else [Path(ckpt)]
+        for f in (f for f in files if f.is_file()):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+        digest = h.hexdigest()
+    t = cfg.task
+    key = {"checkpoint": digest, "model": OmegaConf.to_container(cfg.model, resolve=True), "corpus": t.corpus,
+           "split": t.split, "source_tokens": t.source_tokens, "seq_len": t.seq_len, "seed": cfg.seed,
+           "tokenizer_vocab": cfg.pretrain.tokenizer_vocab}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def cached_routing(cfg, compute) -> dict:
+    """``compute()`` (``{layer: (ids_NK, weights_NK, logits_NE)}``), read from
+    ``runs/cache/routing/<key>.pt`` when a run with the same :func:`routing_key` wrote it."""
+    path = ROUTING_CACHE / f"{cfg.model.name}_{routing_key(cfg)}.pt"
+    if path.is_file():
+        return torch.load(path, map_location="cpu")
+    layers = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(layers, tmp)
+    tmp.replace(path)                    # atomic: a concurrent run reads a whole file or none
+    return layers
+
+
+def _route_held_out(cfg) -> dict:
+    """The model's routers on ``task.source_tokens`` tokens of ``task.corpus`` / ``task.split``."""
+    t = cfg.task
     from ..data.batches import token_ids
     from ..data.tokenizer import get_tokenizer
     from ..models.families import family_of
@@ -187,21 +297,23 @@ def world_source(cfg) -> Optional[Source]:
         return None
     layers = routed_source(cfg)
     N = next(iter(layers.values()))[0].shape[0]
-    W = t.tokens_per_rank * cfg.cluster.world_size
+    W = rank_tokens(cfg) * cfg.cluster.world_size
     if N >= W:
         return Source(layers, torch.arange(W, device="cpu"), N)
     g = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + 17)
     return Source(layers, torch.randint(0, N, (W,), generator=g, device="cpu"), N)
 
 
-def rank_routing(cfg, source: Optional[Source], layer: int, rank: int, device
+def rank_routing(cfg, source: Optional[Source], layer: int, rank: int, device, salt: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Rank ``rank``'s tokens in ``layer``: ``(topk_ids_TK, topk_weights_TK, probs_TE or None)``
-    on ``device``, before the system's routing transform."""
+    on ``device``, before the system's routing transform. ``salt``: another synthetic stream
+    for the same seed (a profiling set beside the world it is judged on)."""
     m, t = cfg.model, cfg.task
-    T = t.tokens_per_rank
+    T = rank_tokens(cfg)
     if source is None:
-        g = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + 7919 * (layer + 1) + 104729 * (rank + 1))
+        g = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + 7919 * (layer + 1) + 104729 * (rank + 1)
+                                                      + 15_485_863 * salt)
         ids_TK, probs_TE = sample_router(T, m.top_k, expert_popularity(t.routing, m.num_experts, t.zipf_s), g)
         weights_TK = gate_weights(probs_TE, ids_TK, m.norm_topk_prob)
     else:
@@ -218,24 +330,35 @@ def rank_routing(cfg, source: Optional[Source], layer: int, rank: int, device
 # ---------------------------------------------------------------------------
 
 
+# per rank, phase and pass: what node_rows writes (name, unit)
+NODE_METRICS = (("received_rows", "rows"), ("intra_node_bytes", "bytes"), ("inter_node_bytes", "bytes"),
+                ("received_intra_node_bytes", "bytes"), ("received_inter_node_bytes", "bytes"),
+                ("messages", "messages"), ("inter_node_messages", "messages"))
+
+
 def node_rows(world: list, world_size: int, devices_per_node: int, layer: int) -> list:
-    """Per rank, phase and pass: rows it receives, bytes it sends within its node and across
-    nodes (other ranks only)."""
+    """Per rank, phase and pass (:data:`NODE_METRICS`): rows it receives (its own included),
+    bytes it sends to and receives from the other ranks of its node and the other nodes,
+    and the messages it sends (peers other than itself with a non-empty block), in all and
+    across nodes: what the cost model prices a collective by when the world's peer pairs
+    are too many to write (``task.peer_rows=false``)."""
     P = world_size
     node_P = torch.arange(P, device="cpu") // (devices_per_node or P)
     same_PP = node_P.unsqueeze(1) == node_P.unsqueeze(0)
-    others_PP = ~torch.eye(P, dtype=torch.bool, device="cpu")
+    intra_PP = same_PP & ~torch.eye(P, dtype=torch.bool, device="cpu")
     totals: dict = {}
     for c in world:
         rows_PP = c.rows_PP.cpu()
+        bytes_PP = rows_PP * c.row_bytes
+        sent_PP = rows_PP > 0
         key = (c.phase, c.direction)
-        got = (rows_PP.sum(0), (rows_PP * (same_PP & others_PP)).sum(1) * c.row_bytes,
-               (rows_PP * ~same_PP).sum(1) * c.row_bytes)
+        got = (rows_PP.sum(0), (bytes_PP * intra_PP).sum(1), (bytes_PP * ~same_PP).sum(1),
+               (bytes_PP * intra_PP).sum(0), (bytes_PP * ~same_PP).sum(0),
+               (sent_PP & (intra_PP | ~same_PP)).sum(1), (sent_PP & ~same_PP).sum(1))
         totals[key] = got if key not in totals else tuple(a + b for a, b in zip(totals[key], got))
     out = []
     for (phase, direction), values in totals.items():
-        for name, unit, v_P in zip(("received_rows", "intra_node_bytes", "inter_node_bytes"),
-                                   ("rows", "bytes", "bytes"), values):
+        for (name, unit), v_P in zip(NODE_METRICS, values):
             out += [row(name, v, unit, layer=layer, rank=r, phase=phase, direction=direction)
                     for r, v in enumerate(v_P.tolist())]
     return out
@@ -252,12 +375,14 @@ def layer_rows(cfg, world: list, routing: list, placement, layer: int) -> list:
         rec.comm = rank_events(world, rank, layer)
         out += comm_rows(rec, per_peer=t.peer_rows)
     out += node_rows(world, P, c.devices_per_node, layer)
-    pl = placement.to("cpu")
     ids = [ids_TK.cpu() for ids_TK, _ in routing]
     home = [torch.full((x.shape[0],), r, dtype=torch.long, device="cpu") for r, x in enumerate(ids)]
+    stats = token_devices(torch.cat(ids), placement.to("cpu"), torch.cat(home))     # once, sliced per rank
+    start = 0
     for rank in range(P):
-        out += token_rows(ids[rank], pl, home[rank], layer, rank)
-    out += token_rows(torch.cat(ids), pl, torch.cat(home), layer, -1)
+        out += token_rows_of(stats.rows(start, start + ids[rank].shape[0]), layer, rank)
+        start += ids[rank].shape[0]
+    out += token_rows_of(stats, layer, -1)
     tokens = sum(x.shape[0] for x in ids)
     for w in world:
         if w.phase in ("dispatch", "combine"):
@@ -295,7 +420,7 @@ def _simulate(ctx, cfg_dict: dict) -> list:
     if source is not None:
         rows += [row("source_tokens", source.tokens, "tokens"),
                  row("resampled_tokens", float(source.resampled), "bool")]
-    for layer in moe_layers(m):
+    for layer in task_layers(cfg):
         dispatcher = system_config(cfg.system).build(ep, layer, m.num_experts)
         routing = []
         for rank in range(c.world_size):

@@ -1,0 +1,82 @@
+"""task=place: a placement artifact for a world that is not here, in one process.
+
+    python run.py task=place model=deepseek_v3_proxy cluster.world_size=64 system=occult \
+        task.optimiser=swap_search task.time_limit_s=5 task.total_tokens=16384
+
+``experiment=placement_study`` finds placements by running the expert-parallel model on P
+ranks, which a world of 64 to 256 ranks cannot do here. This task reads the routing of such
+a world as ``task=simulate`` does (:class:`occult.tasks.options.RoutedWorld`: the model's
+routers, a routing trace or synthetic routing; ``task.layers``, ``task.total_tokens``), by
+default the routers on the corpus's *training* split (a profiling set, where ``simulate``
+routes the held-out text), and for every layer runs one placement optimiser
+(:func:`occult.placement.optimise`: ``task.optimiser`` at ``task.load_cap``, swap_search
+stopping after ``task.time_limit_s``). Synthetic routing draws another stream of the seed
+than ``simulate``'s, so a placement is never judged on the tokens that made it.
+
+Writes ``placements.json`` into the run folder (:func:`occult.placement.save_placements`, its
+``meta`` naming the optimiser, cap, time limit and routing) for
+``system=occult_placed system.placement_file=...``, and rows per layer (``phase`` = the
+optimiser): ``ct_all`` of the contiguous placement and of the new one on the profiling
+tokens, ``load_max_over_mean`` of both, ``solve_s``.
+
+Shapes: W world tokens, K top-k, E experts, P devices.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from ..ep.accounting import ct_all
+from ..ep.measure import stopwatch
+from ..ep.placement import Placement
+from ..placement import load_max_over_mean, optimise, save_placements
+from ..records import row
+from .simulate import one_thread, rank_routing, task_layers, world_source
+
+ARTIFACT = "placements.json"
+# the synthetic stream a placement is made from (simulate draws stream 0)
+PROFILING_STREAM = 1
+
+
+def world_ids(cfg, source, layer: int) -> torch.Tensor:
+    """Every simulated rank's top-k ids of ``layer``, in rank order: ``topk_ids_WK`` (host)."""
+    streams = [rank_routing(cfg, source, layer, rank, "cpu", salt=PROFILING_STREAM)[0]
+               for rank in range(cfg.cluster.world_size)]
+    return torch.cat(streams)
+
+
+def layer_rows(layer: int, optimiser: str, ids_WK: torch.Tensor, placed: Placement, seconds: float) -> list:
+    """C_T and load balance of the contiguous placement and of ``placed`` on ``ids_WK``."""
+    base = Placement.contiguous(placed.num_experts, placed.num_devices)
+    out = [row("solve_s", seconds, "s", layer=layer, phase=optimiser)]
+    for which, pl in (("contiguous", base), (optimiser, placed)):
+        out += [row("ct_all", ct_all(ids_WK, pl), "devices/token", layer=layer, phase=which),
+                row("load_max_over_mean", load_max_over_mean(ids_WK, pl), "ratio", layer=layer, phase=which)]
+    return out
+
+
+def run_rank(ctx, cfg_dict: dict) -> list:
+    """Every layer's placement for the simulated world, on this one process; returns its rows."""
+    with one_thread():
+        return _place(ctx, cfg_dict)
+
+
+def _place(ctx, cfg_dict: dict) -> list:
+    cfg = OmegaConf.create(cfg_dict)
+    t, m, P = cfg.task, cfg.model, cfg.cluster.world_size
+    source = world_source(cfg)
+    placements, rows = {}, []
+    for layer in task_layers(cfg):
+        ids_WK = world_ids(cfg, source, layer)
+        with stopwatch() as sw:
+            placements[layer] = optimise(t.optimiser, ids_WK, m.num_experts, P, load_cap=t.load_cap, seed=cfg.seed,
+                                         time_limit_s=t.time_limit_s)
+        rows += layer_rows(layer, t.optimiser, ids_WK, placements[layer], sw.seconds)
+    meta = {"task": "place", "built_by": "harness", "optimiser": t.optimiser, "load_cap": t.load_cap,
+            "time_limit_s": t.time_limit_s if t.optimiser == "swap_search" else None, "model": m.name,
+            "world_size": P, "routing": t.routing, "split": t.split if t.routing == "router" else None,
+            "tokens": int(ids_WK.shape[0]), "seed": cfg.seed}
+    save_placements(Path(cfg_dict["out_dir_resolved"]) / ARTIFACT, placements, meta)
+    return rows
