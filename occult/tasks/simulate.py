@@ -83,7 +83,7 @@ def task_layers(cfg) -> list:
     if n == 1:
         return [layers[len(layers) // 2]]
     step = (len(layers) - 1) / (n - 1)
-    return sorted({layers[round(i * step)] for i in range(n)})
+    return sorted({layers[int(i * step + 0.5)] for i in range(n)})         # halves round up, as n = 1 does
 
 
 def rank_tokens(cfg) -> int:

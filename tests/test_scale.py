@@ -1,0 +1,133 @@
+"""The scale study's parts: per-rank totals priced as the peer pairs are, task=place, the
+study's and the advisor's tables, sampled layers, node profiles, and their bad input."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from occult.errors import ConfigError
+from occult.validate import validate
+from test_plans import cfg_with, simulated_rows
+
+
+def _frame(rows: pd.DataFrame, **context) -> pd.DataFrame:
+    """Simulated rows with the context columns the projection reads."""
+    base = {"run_id": "r", "model": "layer_small", "world_size": 16, "devices_per_node": 8, "num_experts": 64,
+            "top_k": 8, "hidden_size": 256, "expert_ffn_size": 128, "tokens_per_rank": 32, "dtype": "float32",
+            "task": "simulate", "system": "x", "label": "", "clock": "simulated", "system_options": "{}",
+            "routing": "uniform", "experiment": "t", "impl": "harness", "cluster": "c", "init": "random",
+            "batch_size": -1, "seq_len": -1, "seed": 0, "config_hash": "h", **context}
+    return rows.assign(**base)
+
+
+@pytest.mark.timeout(120)
+def test_per_rank_totals_price_as_the_peer_pairs_do_and_count_the_messages():
+    """A world simulated without peer rows (task.peer_rows=false) projects to the same times as
+    the same world with them, on a profile of two nodes; its messages are the peer pairs with rows."""
+    from occult.ep.links import load_profile
+
+    from analysis.projection import project_runs, projected_totals
+    profile = load_profile("sim_h100_nodes")
+    for system in ("naive", "hierarchical", "allgather", "tutel"):
+        args = ("cluster.world_size=16", "cluster.devices_per_node=8", f"system={system}", "task.tokens_per_rank=32",
+                "model.dtype=bfloat16", "task.backward=false")
+        peer = _frame(simulated_rows(*args), system=system, dtype="bfloat16")
+        totals = _frame(simulated_rows(*args, "task.peer_rows=false"), system=system, dtype="bfloat16")
+        assert "bytes" not in set(totals.metric)
+        a, b = (projected_totals(project_runs(d, profile)) for d in (peer, totals))
+        assert a.a2a_ms_per_layer.iloc[0] > 0
+        assert a.a2a_ms_per_layer.iloc[0] == pytest.approx(b.a2a_ms_per_layer.iloc[0], rel=1e-12), system
+        sent = peer[(peer.metric == "rows") & (peer.value > 0) & (peer.src_rank != peer.dst_rank)
+                    & (peer["pass"] == "forward")]
+        msgs = totals[(totals.metric == "messages") & (totals["pass"] == "forward")]
+        assert len(sent) == msgs.value.sum() > 0, system
+        cross = sent[sent.src_rank // 8 != sent.dst_rank // 8]
+        assert len(cross) == totals[totals.metric == "inter_node_messages"].value.sum(), system
+
+
+def test_totals_are_not_resized_to_another_width():
+    from occult.ep.links import load_profile
+
+    from analysis.projection import Target, project_runs
+    rows = _frame(simulated_rows("cluster.world_size=16", "cluster.devices_per_node=8", "task.tokens_per_rank=8",
+                                 "task.peer_rows=false", "task.backward=false"))
+    with pytest.raises(ValueError, match="projected at the run's own width"):
+        project_runs(rows, load_profile("sim_h100_nodes"), Target("olmoe", 2048, 1024, 16))
+
+
+@pytest.mark.timeout(120)
+def test_place_writes_an_artifact_no_worse_than_contiguous_and_occult_placed_runs_on_it(tmp_path):
+    """swap_search starts from the contiguous placement among others: on the profiling tokens
+    its C_T is at most the contiguous one's (without a load cap; with one, spreading Zipf's
+    popular experts raises C_T, as the rows would show)."""
+    from occult.runner import run
+    cfg = cfg_with("task=place", "task.routing=zipf", "cluster.world_size=16", "task.total_tokens=2048",
+                   "task.load_cap=null", "task.time_limit_s=1", "model=olmoe", "task.sample_layers=2",
+                   f"out_dir={tmp_path / 'p'}")
+    df = pd.read_parquet(run(cfg, tmp_path / "p"))
+    ct = df[df.metric == "ct_all"].pivot_table(index="layer", columns="phase", values="value")
+    assert list(ct.index) == [0, 15]                               # the first and the last MoE layer
+    assert (ct.swap_search <= ct.contiguous).all()
+    artifact = tmp_path / "p" / "placements.json"
+    sim = simulated_rows("model=olmoe", "cluster.world_size=16", "task.routing=zipf", "task.sample_layers=2",
+                         "system=occult_placed", f"system.placement_file={artifact}", "task.tokens_per_rank=16",
+                         "task.peer_rows=false", "task.backward=false")
+    assert sorted(sim[sim.metric == "ct_all"].layer.unique()) == [0, 15]
+
+
+def test_sampled_layers_are_evenly_spaced():
+    from omegaconf import OmegaConf
+
+    from occult.tasks.simulate import task_layers
+    cfg = lambda n: OmegaConf.create({"model": {"first_k_dense": 3, "num_layers": 61}, "task": {"sample_layers": n}})
+    assert task_layers(cfg(0)) == list(range(3, 61))
+    assert task_layers(cfg(1)) == [32] and task_layers(cfg(2)) == [3, 60] and task_layers(cfg(3)) == [3, 32, 60]
+    assert task_layers(cfg(100)) == list(range(3, 61))
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["task.total_tokens=1000", "cluster.world_size=16"],
+     r"^task.total_tokens=1000 does not share out over cluster.world_size=16 ranks: give a multiple of 16"),
+    (["model=deepseek_v3", "task.routing=router", "task.routers=olmoe_proxy", "cluster.world_size=8"],
+     r"^task.routers=olmoe_proxy routes E=64, top-8 in 4 MoE layers; model=deepseek_v3 needs E=256"),
+    (["task.routing=router", "task.routers=layer_small"], r"^task.routers=layer_small: a layer-only config has no routers"),
+    (["task.sample_layers=-1"], r"^task.sample_layers=-1: must be at least 0"),
+    (["task.routers=olmoe_proxy"], r"^task.routers="),
+])
+def test_scale_options_refuse_bad_input_in_one_line(overrides, line):
+    with pytest.raises(ConfigError, match=line) as err:
+        validate(cfg_with("task=simulate", "task.routing=uniform", *overrides))
+    assert "\n" not in str(err.value)
+
+
+def test_place_refuses_bad_input_in_one_line():
+    for overrides, line in ((["task.optimiser=annealing"], r"^task.optimiser='annealing': allowed values are"),
+                            (["task.load_cap=0.5"], r"^task.load_cap=0.5: allowed values are null"),
+                            (["task.time_limit_s=0"], r"^task.time_limit_s=0.0: must be > 0")):
+        with pytest.raises(ConfigError, match=line) as err:
+            validate(cfg_with("task=place", "task.routing=uniform", *overrides))
+        assert "\n" not in str(err.value)
+
+
+def test_node_profiles_cover_whole_nodes_only():
+    from occult.ep import links
+    for name in ("sim_h100_nodes", "sim_h200_nodes"):
+        p = links.load_profile(name)
+        assert p.sizes() == [8, 16, 32, 64, 128, 256] and p.at(256) == p.at(8) and p.memory_GB > 0
+        with pytest.raises(ValueError, match=r"has links for world sizes \[8, 16"):
+            p.at(12)
+    with pytest.raises(ValueError, match="world_sizes=\\[12\\]: allowed values are positive world sizes that fill whole"):
+        links.profile_from_dict({"name": "t", "world_sizes": [12], "devices_per_node": 8, "intra_node_GBps": 1.0})
+
+
+def test_crossovers_read_where_the_answer_changes():
+    from analysis.figures.scale_study import crossovers
+    rows = []
+    for P, times in ((8, {"naive": 3, "occult": 1, "hierarchical_node": 2, "allgather": 2}),
+                     (16, {"naive": 3, "occult": 2, "hierarchical_node": 1.5, "allgather": 4}),
+                     (32, {"naive": 3, "occult": 3, "hierarchical_node": 1, "allgather": 9})):
+        rows += [{"model": "m", "workload": "prefill", "world_size": P, "strategy": s, "h ms": t} for s, t in times.items()]
+    c = crossovers(pd.DataFrame(rows), ["h"]).iloc[0]
+    assert c["best by P"] == "8: occult, 16: hierarchical_node, 32: hierarchical_node"
+    assert c["hierarchical beats occult from P"] == 16 and c["allgather beats naive up to P"] == 8
