@@ -230,7 +230,8 @@ def routed_source(cfg) -> dict:
     if not t.get("routers"):
         return layers
     # the routers' MoE layers, sampled as the model's are, stand for the model's sampled layers
-    mine, theirs = task_layers(cfg), task_layers(OmegaConf.merge(routed, {"task": {"sample_layers": len(task_layers(cfg))}}))
+    mine = task_layers(cfg)
+    theirs = task_layers(OmegaConf.merge(routed, {"task": {"sample_layers": len(mine)}}))
     return {layer: layers[other] for layer, other in zip(mine, theirs)}
 
 
