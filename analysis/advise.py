@@ -43,6 +43,8 @@ from .figures.scale_study import point_table, strategy_of
 from .load import load_runs
 from .projection import project_runs, projected_totals
 
+# occult_placed's placement: task=place on this many profiling tokens, swap_search capped per layer
+PROFILE_TOKENS, PLACE_TIME_LIMIT_S = 16384, 5.0
 CANDIDATES = ("naive", "occult", "occult_placed", "hierarchical_node", "hierarchical_device", "allgather", "tutel")
 PHASES = ("decode", "prefill", "train")
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +101,8 @@ def world_size_of(req: Request, num_experts: int) -> int:
         return req.world_size
     fit = [p for p in sizes if p > 0 and num_experts % p == 0]
     if not fit:
-        raise ValueError(f"profile={req.profile} covers world sizes {sizes}; none divides model's {num_experts} experts")
+        raise ValueError(f"profile={req.profile} covers world sizes {sizes}; "
+                         f"none divides model's {num_experts} experts")
     return max(fit)
 
 
@@ -147,8 +150,8 @@ def simulate(req: Request, out: Path) -> pd.DataFrame:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         if "occult_placed" in req.systems:
             place = [o for o in base if not o.startswith("task.tokens_per_rank")]
-            cfg = compose("config", overrides=["task=place", *place, "task.total_tokens=16384",
-                                               "task.time_limit_s=5"])
+            cfg = compose("config", overrides=["task=place", *place, f"task.total_tokens={PROFILE_TOKENS // P * P}",
+                                               f"task.time_limit_s={PLACE_TIME_LIMIT_S}"])
             run(cfg, out / "place")
         for s in req.systems:
             t0 = time.perf_counter()
@@ -160,7 +163,7 @@ def simulate(req: Request, out: Path) -> pd.DataFrame:
     return load_runs([out / s for s in req.systems])
 
 
-def memory_GB(run_row: pd.Series, model, P: int, element_bytes: int, received_max_rows: float) -> float:
+def memory_GB(model, P: int, element_bytes: int, received_max_rows: float) -> float:
     """Per GPU: expert weights of the MoE layers (E / P experts) plus the largest dispatch buffer."""
     layers = int(model.num_layers) - int(model.first_k_dense)
     weights = model.num_experts / P * 3 * model.hidden_size * model.expert_ffn_size * layers
@@ -187,7 +190,7 @@ def ranked(df: pd.DataFrame, req: Request) -> pd.DataFrame:
                      "moe_layer_ms": a2a + experts, "a2a_ms": a2a, "experts_ms": experts,
                      "intra_MB_per_rank": p.intra_MB_per_rank, "inter_MB_per_rank": p.inter_MB_per_rank,
                      "messages_per_rank": p.messages_per_rank, "ct_all": p.ct_all,
-                     "memory_GB_per_GPU": memory_GB(p, model, int(p.world_size), element, peak)})
+                     "memory_GB_per_GPU": memory_GB(model, int(p.world_size), element, peak)})
     table = pd.DataFrame(rows).sort_values("moe_layer_ms").reset_index(drop=True)
     table.insert(0, "rank", np.arange(1, len(table) + 1))
     table["vs_best"] = table.moe_layer_ms / table.moe_layer_ms.min()
@@ -200,7 +203,8 @@ def rests_on(req: Request, df: pd.DataFrame) -> list:
     """What the numbers rest on: where bytes, links and compute come from."""
     profile = load_profile(req.profile)
     first = df[df.task == "simulate"].iloc[0]
-    resampled = bool(df[df.metric == "resampled_tokens"].value.max()) if (df.metric == "resampled_tokens").any() else False
+    flags = df[df.metric == "resampled_tokens"].value
+    resampled = bool(flags.max()) if not flags.empty else False
     src = {"router": "the routers of the model (or its trained proxy) on held-out text",
            "trace": f"the routing trace {req.trace}", "uniform": "synthetic uniform routing",
            "zipf": "synthetic Zipf routing"}.get(str(first.routing), str(first.routing))
