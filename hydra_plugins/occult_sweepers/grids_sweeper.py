@@ -55,6 +55,19 @@ POINT_REF = "%{"
 MAX_FOLDER_NAME = 200
 
 
+# config groups whose choice selects a typed schema (conf/config.yaml: system_schema, task_schema):
+# points that choose differently may accept different keys
+SCHEMA_GROUPS = ("system", "task")
+
+
+def point_shape(point) -> tuple:
+    """What decides whether a point's overrides compose, but for their values: the keys, and
+    the choices of :data:`SCHEMA_GROUPS`."""
+    keys = sorted(o.split("=", 1)[0] for o in point)
+    chosen = sorted(o for o in point if o.split("=", 1)[0].lstrip("+~") in SCHEMA_GROUPS)
+    return tuple(keys), tuple(chosen)
+
+
 class GridsSweeper(BasicSweeper):
     """Hydra's basic sweeper, over the union of named grids (``<grid>/<key>`` params)."""
 
@@ -88,15 +101,16 @@ class GridsSweeper(BasicSweeper):
         return point + [f"hydra.sweep.subdir='{short}_{digest}'"]
 
     def validate_batch_is_legal(self, batch) -> None:
-        """Composes, before a batch launches, one point per set of override keys (a grid's
-        points differ in values only), not every point: the launcher composes each point again
-        when it runs it, and a composition costs 0.3-1 s, which a sweep of a thousand cheap
-        points (experiment=scale_study) paid twice. A key no point of a grid may carry still
-        fails before anything runs; a point whose own value fails to compose fails when its
-        turn comes, after the points before it have written their results."""
+        """Composes, before a batch launches, one point per shape (:func:`point_shape`: its
+        override keys and its choice of the groups that pick a schema), not every point: the
+        launcher composes each point again when it runs it, and a composition costs 0.3-1 s,
+        which a sweep of a thousand cheap points (experiment=scale_study) paid twice. A key
+        that a task or system of the sweep does not read still fails before anything runs; a
+        value that fails to compose (a missing file) fails at its own point, after the points
+        before it have written their results."""
         first = {}
         for point in batch:
-            first.setdefault(tuple(sorted(o.split("=", 1)[0] for o in point)), point)
+            first.setdefault(point_shape(point), point)
         super().validate_batch_is_legal(list(first.values()))
 
     def _parse_config(self) -> List[str]:
