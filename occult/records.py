@@ -48,7 +48,8 @@ NOT_HASHED = ("resume", "out_dir", "report", "report_options", "cluster.run_time
 LATER_KEYS = {"cluster.devices_per_node": 0, "cluster.single_rank_collectives": False,
               "task.optimisers": ["contiguous", "random", "greedy", "swap_search"],
               "task.load_caps": [None, 1.25, 1.15, 1.1], "task.swap_time_limit_s": 10.0,
-              "task.total_tokens": 0, "task.routers": None, "task.sample_layers": 0}
+              "task.total_tokens": 0, "task.routers": None, "task.sample_layers": 0,
+              "task.synthetic_tokens": 0}
 # a table written before ``dtype`` was a column: the harness's default element type (runs in
 # bfloat16 then were the GPU check's)
 LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32"}

@@ -347,6 +347,8 @@ class RoutedWorld(TaskConf):
     routers: Optional[str] = None       # routing=router: the conf/model whose routers route (a trained proxy
                                         # of the model's E and K; null: the model's own)
     sample_layers: int = 0              # MoE layers computed: 0 every one, n evenly spaced (1: the middle one)
+    synthetic_tokens: int = 0           # uniform | zipf: 0 every rank draws its own; N: N tokens per layer,
+                                        # the world's drawn from them (with replacement where it needs more)
 
     prepare: ClassVar[str] = "occult.tasks.simulate.prepare"
     expert_parallel_only: ClassVar[bool] = True
@@ -366,6 +368,7 @@ class RoutedWorld(TaskConf):
             raise ConfigError("task.trace is not set: task.routing=trace needs a run folder holding routing.parquet "
                               "(a run with task.save_routing=true)")
         _at_least("sample_layers", self.sample_layers, 0)
+        _at_least("synthetic_tokens", self.synthetic_tokens, 0)
 
     def unread(self) -> Dict[str, str]:
         out = super().unread()
@@ -376,6 +379,8 @@ class RoutedWorld(TaskConf):
         if self.routing != "router":
             for name in ("source_tokens", "corpus", "split", "seq_len", "routers"):
                 out[name] = "read only with task.routing=router"
+        if self.routing not in ("uniform", "zipf"):
+            out["synthetic_tokens"] = "read only with task.routing=uniform or zipf"
         if self.total_tokens:
             out["tokens_per_rank"] = "not read with task.total_tokens set (tokens per rank = total_tokens / world size)"
         return out

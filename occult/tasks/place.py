@@ -66,7 +66,7 @@ def run_rank(ctx, cfg_dict: dict) -> list:
 def _place(ctx, cfg_dict: dict) -> list:
     cfg = OmegaConf.create(cfg_dict)
     t, m, P = cfg.task, cfg.model, cfg.cluster.world_size
-    source = world_source(cfg)
+    source = world_source(cfg, salt=PROFILING_STREAM)
     placements, rows = {}, []
     for layer in task_layers(cfg):
         ids_WK = world_ids(cfg, source, layer)

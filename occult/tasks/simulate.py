@@ -64,7 +64,7 @@ from ..errors import ConfigError
 from ..memory import peak_memory
 from ..records import row
 from ..routing_traces import ROUTING_FILE, load_trace, trace_layers
-from ..synthetic import expert_popularity, sample_router
+from ..synthetic import expert_popularity, gumbel_keys, sample_router
 from .common import comm_rows, rows_per_token_row, token_rows_of
 
 
@@ -289,14 +289,35 @@ def _route_held_out(cfg) -> dict:
                       t.seq_len, seed=cfg.seed + 11)
 
 
-def world_source(cfg) -> Optional[Source]:
-    """The source of a ``router`` or ``trace`` world, with the source token of each world
-    token (the first T P, or T P drawn with replacement when the source holds fewer);
-    None for synthetic routing."""
+def synthetic_source(cfg, salt: int = 0) -> dict:
+    """``task.synthetic_tokens`` synthetic tokens per sampled layer, drawn once (seeded by the
+    layer and ``salt``): ``{layer: (ids_NK, weights_NK, logits_NE)}``, the Gumbel keys as
+    the logits (see :func:`rank_routing`)."""
+    m, t = cfg.model, cfg.task
+    popularity_E = expert_popularity(t.routing, m.num_experts, t.zipf_s)
+    out = {}
+    for layer in task_layers(cfg):
+        g = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + 7919 * (layer + 1) + 15_485_863 * salt
+                                                      + 31)
+        keys_NE = gumbel_keys(t.synthetic_tokens, popularity_E, g)
+        ids_NK = torch.topk(keys_NE, m.top_k, dim=1).indices
+        out[layer] = (ids_NK, gate_weights(torch.softmax(keys_NE, dim=1).float(), ids_NK, m.norm_topk_prob),
+                      keys_NE.float())
+    return out
+
+
+def world_source(cfg, salt: int = 0) -> Optional[Source]:
+    """The source of a ``router`` or ``trace`` world (or a synthetic one of
+    ``task.synthetic_tokens`` tokens), with the source token of each world token (the first
+    T P, or T P drawn with replacement when the source holds fewer); None for synthetic
+    routing drawn rank by rank. ``salt``: another synthetic stream (a profiling set)."""
     t = cfg.task
-    if t.routing not in ("router", "trace"):
+    if t.routing in ("router", "trace"):
+        layers = routed_source(cfg)
+    elif t.get("synthetic_tokens"):
+        layers = synthetic_source(cfg, salt)
+    else:
         return None
-    layers = routed_source(cfg)
     N = next(iter(layers.values()))[0].shape[0]
     W = rank_tokens(cfg) * cfg.cluster.world_size
     if N >= W:
@@ -305,11 +326,13 @@ def world_source(cfg) -> Optional[Source]:
     return Source(layers, torch.randint(0, N, (W,), generator=g, device="cpu"), N)
 
 
-def rank_routing(cfg, source: Optional[Source], layer: int, rank: int, device, salt: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def rank_routing(cfg, source: Optional[Source], layer: int, rank: int, device, salt: int = 0,
+                 need_probs: bool = True) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Rank ``rank``'s tokens in ``layer``: ``(topk_ids_TK, topk_weights_TK, probs_TE or None)``
     on ``device``, before the system's routing transform. ``salt``: another synthetic stream
-    for the same seed (a profiling set beside the world it is judged on)."""
+    for the same seed (a profiling set beside the world it is judged on); ``need_probs``:
+    False when no routing transform reads the probabilities (a source's are then not
+    computed: a [T, E] softmax per rank)."""
     m, t = cfg.model, cfg.task
     T = rank_tokens(cfg)
     if source is None:
@@ -321,7 +344,7 @@ def rank_routing(cfg, source: Optional[Source], layer: int, rank: int, device, s
         ids_NK, w_NK, logits_NE = source.layers[layer]
         pick_T = source.index_W[rank * T:(rank + 1) * T]
         ids_TK, weights_TK = ids_NK[pick_T], w_NK[pick_T]
-        probs_TE = None if logits_NE is None else torch.softmax(logits_NE[pick_T].float(), dim=-1)
+        probs_TE = None if logits_NE is None or not need_probs else torch.softmax(logits_NE[pick_T].float(), dim=-1)
     move = lambda x: None if x is None else x.to(device)
     return move(ids_TK), move(weights_TK), move(probs_TE)
 
@@ -423,9 +446,10 @@ def _simulate(ctx, cfg_dict: dict) -> list:
                  row("resampled_tokens", float(source.resampled), "bool")]
     for layer in task_layers(cfg):
         dispatcher = system_config(cfg.system).build(ep, layer, m.num_experts)
+        need_probs = dispatcher.routing_transform(layer) is not None
         routing = []
         for rank in range(c.world_size):
-            ids_TK, w_TK, probs_TE = rank_routing(cfg, source, layer, rank, ctx.device)
+            ids_TK, w_TK, probs_TE = rank_routing(cfg, source, layer, rank, ctx.device, need_probs=need_probs)
             routing.append(transformed_routing(dispatcher, layer, probs_TE, ids_TK, w_TK))
         with peak_memory(ctx.device) as mem, stopwatch() as sw:
             world = plan_world(dispatcher, routing, shape, training=t.backward, backward=t.backward)
