@@ -189,6 +189,38 @@ def scaling_figure(table: pd.DataFrame, workload: str, profiles, out_dir: Path) 
     return save(fig, Path(out_dir) / f"scale_study_{workload}")
 
 
+WORLD_SIZES = (8, 16, 32, 64, 128, 256)
+
+
+def study_models() -> list:
+    """The full model configs the study is for (conf/model: a family, not a proxy) whose routed
+    experts some P of :data:`WORLD_SIZES` divides."""
+    from occult.config import CONF_DIR, read_conf
+    out = []
+    for path in sorted((CONF_DIR / "model").glob("*.yaml")):
+        m = read_conf("model", path.stem)
+        if m.family and not m.proxy and any(m.num_experts % p == 0 for p in WORLD_SIZES):
+            out.append(path.stem)
+    return out
+
+
+def coverage_text(table: pd.DataFrame) -> str:
+    """Which of the study's models and strategies these runs hold, and which they do not."""
+    have = set(table.model)
+    missing = [m for m in study_models() if m not in have]
+    points = table.groupby("model").size()
+    line = "Points per model: " + ", ".join(f"{m} {n}" for m, n in points.items()) + "."
+    if missing:
+        line += " Not in these runs (the sweep did not reach them): " + ", ".join(missing) + "."
+    from occult.config import CONF_DIR, read_conf
+    none = [f"{p.stem} ({read_conf('model', p.stem).num_experts} experts)" for p in sorted((CONF_DIR / "model").glob("*.yaml"))
+            if read_conf("model", p.stem).family and not read_conf("model", p.stem).proxy
+            and p.stem not in study_models()]
+    if none:
+        line += " No P of the study divides the routed experts of " + ", ".join(none) + "."
+    return line
+
+
 def build(df: pd.DataFrame, out_dir, profiles=DEFAULT_PROFILES) -> list:
     """Report builder: the points table (``scale_study.csv``), the crossovers
     (``scale_study_crossovers.csv``) and one figure per workload."""
@@ -213,7 +245,7 @@ def build(df: pd.DataFrame, out_dir, profiles=DEFAULT_PROFILES) -> list:
         "measured on a GPU. Per MoE layer (mean over the sampled `layers`), forward pass; bytes and messages "
         "per rank to other ranks; `received_rows_max_over_mean`: the dispatch's received rows, busiest rank over "
         "the mean; projected ms: the collectives plus the experts (balanced load).",
-        "Largest P per model: " + ", ".join(f"{m} {p}" for m, p in sized.items()) + ".",
+        "Largest P per model: " + ", ".join(f"{m} {p}" for m, p in sized.items()) + ". " + coverage_text(table),
         "Routing: `router` points route held-out text through the trained proxy's routers (resampled with "
         "replacement where the world needs more tokens than the 32,768 routed: `resampled`); `uniform` points "
         "are synthetic."]
