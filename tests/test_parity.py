@@ -83,6 +83,44 @@ def failures_of(labels: list, results: list, P: int) -> list:
     return failures
 
 
+def eplb_slot_placements(P: int) -> list:
+    """EPLB's slot placements for the world (the real library, on a skewed seeded load, so
+    that hot experts get copies, some on one device): (label, E, placement) for two redundant
+    counts, or [] when eplb is not installed."""
+    try:
+        from occult.placement.eplb import eplb_placements, num_redundant_error
+        import eplb  # noqa: F401
+    except ImportError:
+        return []
+    import torch
+    out = []
+    E = EXPERTS[P][0]
+    load_E = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.5
+    load_E = load_E[torch.randperm(E, generator=torch.Generator().manual_seed(P))]
+    for r in (E // 8, E // 4):
+        r = next(n for n in range(r, r + P + 1) if not num_redundant_error(n, E, P))
+        out.append((f"naive[eplb r={r}]", E, eplb_placements({0: load_E}, r, P)[0]))
+    return out
+
+
+def eplb_jobs(P: int) -> tuple[list, list]:
+    """naive on EPLB's slot placements (round_robin copies; training sums a copied expert's
+    gradient over its copies): the grid's jobs and labels."""
+    jobs, labels = [], []
+    naive = exact_systems()["naive"]
+    for label, E, placement in eplb_slot_placements(P):
+        T = (5, 9, 4, 7)[:P] if P > 1 else (11,)
+        for K in (1, 2, 8):
+            for case in (LayerCase(E, K, T, routing="uniform", seed=E * 10 + K),
+                         LayerCase(E, K, T, routing="router", renormalize=True, seed=E * 10 + K + 1)):
+                jobs.append((naive, case, placement))
+                labels.append((label, case, naive))
+        if P > 1:
+            jobs.append((naive, LayerCase(E, 2, (0,) + T[1:], seed=3), placement))
+            labels.append((label, jobs[-1][1], naive))
+    return jobs, labels
+
+
 # the traffic grid beside the parity grid: its world sizes, and the node layouts it runs in
 # each (None: the world's own, NODES)
 TRAFFIC_LAYOUTS = {2: (None,), 4: (None, 0, 1)}
@@ -103,6 +141,8 @@ class World:
 def world(request, tmp_path_factory) -> World:
     P = request.param
     jobs, labels = parity_jobs(P, exact_systems())
+    slot_jobs, slot_labels = eplb_jobs(P)
+    jobs, labels = jobs + slot_jobs, labels + slot_labels
     traffic, traffic_labels = [], []
     if P in TRAFFIC_LAYOUTS:
         systems = traffic_systems(similarity_file(tmp_path_factory.mktemp("similarity"), P), exact_defaults=False)
@@ -118,6 +158,23 @@ def test_every_system_matches_reference(world):
     failures = failures_of(world.labels, world.results, world.P)
     assert not failures, "\n".join(failures[:20])
     assert len(world.labels) >= len(exact_systems()) * 4
+
+
+@pytest.mark.timeout(300)
+def test_naive_on_eplb_slots_matches_reference(world):
+    """naive on EPLB's slot placements (copies of hot experts, some on one device) is
+    exact, forward and backward; a copied expert's gradient is the sum over its copies.
+    Its dispatch sends one row per pair, each to the copy round_robin picks."""
+    pytest.importorskip("eplb")
+    slot = [(i, lab) for i, lab in enumerate(world.labels) if lab[0].startswith("naive[eplb")]
+    assert len(slot) >= 12
+    failures = failures_of([lab for _, lab in slot], [[r[i] for i, _ in slot] for r in world.results], world.P)
+    assert not failures, "\n".join(failures[:20])
+    placements = {label: pl for label, _, pl in eplb_slot_placements(world.P)}
+    assert any(bool((pl.copies_E() > 1).any()) for pl in placements.values())
+    for i, (name, case, system) in slot[:4]:      # naive's plan on the slots = what every rank logged
+        per_rank = [r[i] for r in world.results]
+        assert not plan_disagreements(name, system, case, per_rank, world.P, NODES[world.P], placements[name])
 
 
 @pytest.mark.timeout(300)

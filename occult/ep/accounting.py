@@ -148,28 +148,30 @@ def backward_span(recorder: "Recorder | None", layer: int, name: str, inputs, ou
         t.register_hook(end)
 
 
-def devices_per_token(topk_ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
+def devices_per_token(topk_ids_TK: torch.Tensor, placement: Placement, home_T=None) -> torch.Tensor:
     """Distinct devices among each token's top-k experts: shape [T] (long)."""
-    return device_hits(topk_ids_TK, placement).sum(1)
+    return device_hits(topk_ids_TK, placement, home_T).sum(1)
 
 
-def device_hits(topk_ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
+def device_hits(topk_ids_TK: torch.Tensor, placement: Placement, home_T=None) -> torch.Tensor:
     """hit_TP[t, p]: token t has at least one of its top-k experts on device p (bool [T, P];
-    dropped pairs, id -1, hit nothing)."""
+    dropped pairs, id -1, hit nothing). On a slot placement a pair hits the device of the
+    copy that serves it (its replica rule, counted per sending rank ``home_T``)."""
     T, K = topk_ids_TK.shape
     dev = topk_ids_TK.device
     hit_TP = torch.zeros(T, placement.num_devices, dtype=torch.bool, device=dev)
     keep_TK = topk_ids_TK >= 0
     tok_TK = torch.arange(T, device=dev).unsqueeze(1).expand(T, K)
-    hit_TP[tok_TK[keep_TK], placement.device_E[topk_ids_TK[keep_TK]]] = True
+    hit_TP[tok_TK[keep_TK], placement.pair_devices(topk_ids_TK, home_T)[keep_TK]] = True
     return hit_TP
 
 
-def ct_all(topk_ids_TK: torch.Tensor, placement: Placement) -> float:
-    """C_T counting the copy a token sends to its own device: mean distinct devices per token."""
+def ct_all(topk_ids_TK: torch.Tensor, placement: Placement, home_T=None) -> float:
+    """C_T counting the copy a token sends to its own device: mean distinct devices per token
+    (``home_T``: each token's rank, read only by a slot placement's replica rule)."""
     if topk_ids_TK.shape[0] == 0:
         return float("nan")
-    return devices_per_token(topk_ids_TK, placement).float().mean().item()
+    return devices_per_token(topk_ids_TK, placement, home_T).float().mean().item()
 
 
 def ct_remote(topk_ids_TK: torch.Tensor, placement: Placement, home_T: torch.Tensor) -> float:
@@ -180,18 +182,18 @@ def ct_remote(topk_ids_TK: torch.Tensor, placement: Placement, home_T: torch.Ten
     T = topk_ids_TK.shape[0]
     if T == 0:
         return float("nan")
-    hit_TP = device_hits(topk_ids_TK, placement)
+    hit_TP = device_hits(topk_ids_TK, placement, home_T)
     hit_TP[torch.arange(T, device=hit_TP.device), home_T] = False
     return hit_TP.sum(1).float().mean().item()
 
 
-def intra_ratio(topk_ids_TK: torch.Tensor, placement: Placement) -> float:
+def intra_ratio(topk_ids_TK: torch.Tensor, placement: Placement, home_T=None) -> float:
     """Share of co-activated expert pairs (same token) hosted on the same device."""
     K = topk_ids_TK.shape[1]
     if topk_ids_TK.shape[0] == 0 or K < 2:
         return float("nan")
     keep_TK = topk_ids_TK >= 0                      # dropped pairs (id -1) pair with nothing
-    dev_TK = placement.device_E[topk_ids_TK.clamp_min(0)]
+    dev_TK = placement.pair_devices(topk_ids_TK, home_T)
     both_TKK = keep_TK.unsqueeze(2) & keep_TK.unsqueeze(1)
     same_TKK = (dev_TK.unsqueeze(2) == dev_TK.unsqueeze(1)) & both_TKK
     kept_T = keep_TK.sum(1)

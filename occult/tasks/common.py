@@ -100,9 +100,9 @@ def comm_rows(rec: Recorder, per_peer: bool = True) -> list:
 def token_rows(ids_TK: torch.Tensor, placement, home_T: torch.Tensor, layer: int, rank: int) -> list:
     """C_T (all, remote), intra-collaboration ratio and the token count of the tokens
     ``ids_TK`` (their home ranks ``home_T``), as rows of ``rank`` (-1: over all ranks)."""
-    return [row("ct_all", ct_all(ids_TK, placement), "devices/token", layer=layer, rank=rank),
+    return [row("ct_all", ct_all(ids_TK, placement, home_T), "devices/token", layer=layer, rank=rank),
             row("ct_remote", ct_remote(ids_TK, placement, home_T), "devices/token", layer=layer, rank=rank),
-            row("intra_ratio", intra_ratio(ids_TK, placement), "ratio", layer=layer, rank=rank),
+            row("intra_ratio", intra_ratio(ids_TK, placement, home_T), "ratio", layer=layer, rank=rank),
             row("tokens", ids_TK.shape[0], "tokens", layer=layer, rank=rank)]
 
 
