@@ -210,12 +210,15 @@ def run_grid(ctx, jobs: list) -> list:
     return out
 
 
-def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_size: int = 256) -> dict:
+def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_size: int = 256,
+                placements: Optional[dict] = None) -> dict:
     """An expert-parallel model against the single-device model on the concatenation of
     all ranks' sequences: logits, loss, and the gradients of every weight (replicated
-    weights after data-parallel averaging; experts against the reference's slice).
+    weights after data-parallel averaging; experts against the reference's slice, a copied
+    expert's after the sum over its copies).
 
-    ``cfg_dict`` holds ``model``, ``system`` and ``seed``; weights are random (seeded).
+    ``cfg_dict`` holds ``model``, ``system`` and ``seed``; weights are random (seeded);
+    ``placements``: ``{layer: placement}`` overriding the system's (e.g. EPLB's slots).
     """
     import copy
 
@@ -234,7 +237,7 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     ids = ids_all[rank * batch_per_rank:(rank + 1) * batch_per_rank]
 
     ref = base_model(cfg, vocab_size, device=ctx.device)
-    model = make_rank_model(ctx, copy.deepcopy(ref), cfg)
+    model = make_rank_model(ctx, copy.deepcopy(ref), cfg, placements)
     ref_out = ref(input_ids=ids_all, labels=ids_all)
     ref_out.loss.backward()
     rec = Recorder(rank=rank)
@@ -286,5 +289,5 @@ class _GradView:
 
 
 def run_model_grid(ctx, jobs: list) -> list:
-    """``[(cfg_dict, batch_per_rank, seq_len), ...]`` in one world."""
-    return [check_model(ctx, cfg, b, s) for cfg, b, s in jobs]
+    """``[(cfg_dict, batch_per_rank, seq_len[, placements]), ...]`` in one world."""
+    return [check_model(ctx, cfg, b, s, placements=more[0] if more else None) for cfg, b, s, *more in jobs]
