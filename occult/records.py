@@ -47,7 +47,11 @@ NOT_HASHED = ("resume", "out_dir", "report", "report_options", "cluster.run_time
 # written before them holds
 LATER_KEYS = {"cluster.devices_per_node": 0, "cluster.single_rank_collectives": False,
               "task.optimisers": ["contiguous", "random", "greedy", "swap_search"],
-              "task.load_caps": [None, 1.25, 1.15, 1.1], "task.swap_time_limit_s": 10.0}
+              "task.load_caps": [None, 1.25, 1.15, 1.1], "task.swap_time_limit_s": 10.0,
+              # the load workloads and EPLB's placements (task.trace is left out: task=simulate
+              # has hashed its null since before)
+              "task.max_over_mean": 2.0, "task.incast_device": 0, "task.incast_share": 0.5,
+              "task.placement": "contiguous", "task.num_redundant": 0}
 LATER_COLUMNS = {"devices_per_node": 0, "trace_sha256": "", "expert": -1}
 
 
