@@ -33,7 +33,8 @@ from .summary import RUN_KEYS, SYSTEM_KEYS, run_table, task_latency, with_ratios
 
 SHOWN = ["system", "impl", "label", "model", "task", "cluster", "top_k", "routing", "ct_all",
          "dispatch_rows_per_token", "dispatch_remote_MB", "a2a_dispatch_fwd_ms", "a2a_combine_fwd_ms", "layer_fwd_ms",
-         "layer_fwd_bwd_ms", "layer_fwd_ms_vs_naive", "layer_fwd_bwd_ms_vs_naive"]
+         "layer_fwd_bwd_ms", "layer_fwd_ms_vs_naive", "layer_fwd_bwd_ms_vs_naive", "recv_max_over_mean",
+         "slowest_rank"]
 NOT_RUNS = ("calibrate",)          # tasks whose runs measure the machine, not a system
 
 
