@@ -3,7 +3,8 @@
 Columns: the run's context (run_id, experiment, label, system, impl,
 system_options, model, init, task, cluster, world_size, devices_per_node, num_experts, top_k,
 hidden_size, expert_ffn_size, tokens_per_rank, routing, trace_sha256 (of a replayed routing
-trace, "" for none), batch_size, seq_len, seed, config_hash), the measurement (layer, rank,
+trace, "" for none), placement (``task.placement``: contiguous, eplb or an artifact; "" for a
+task without it), batch_size, seq_len, seed, config_hash), the measurement (layer, rank,
 phase, pass, metric, value, unit, sample, src_rank, dst_rank, expert) and provenance (git_commit, torch_version, device,
 hostname, time, clock, launcher).
 
@@ -35,7 +36,7 @@ MEASUREMENT_COLUMNS = ["layer", "rank", "phase", "pass", "metric", "value", "uni
                        "src_rank", "dst_rank", "expert"]
 CONTEXT_COLUMNS = ["run_id", "experiment", "label", "system", "impl", "system_options", "model", "init", "task",
                    "cluster", "world_size", "devices_per_node", "num_experts", "top_k", "hidden_size", "expert_ffn_size",
-                   "tokens_per_rank", "routing", "trace_sha256", "batch_size", "seq_len", "seed", "config_hash"]
+                   "tokens_per_rank", "routing", "trace_sha256", "placement", "batch_size", "seq_len", "seed", "config_hash"]
 PROVENANCE_COLUMNS = ["git_commit", "torch_version", "device", "hostname", "time", "clock", "launcher"]
 COLUMNS = CONTEXT_COLUMNS + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
 RESULTS_FILE = "results.parquet"
@@ -52,7 +53,7 @@ LATER_KEYS = {"cluster.devices_per_node": 0, "cluster.single_rank_collectives": 
               # has hashed its null since before)
               "task.max_over_mean": 2.0, "task.incast_device": 0, "task.incast_share": 0.5,
               "task.placement": "contiguous", "task.num_redundant": 0}
-LATER_COLUMNS = {"devices_per_node": 0, "trace_sha256": "", "expert": -1}
+LATER_COLUMNS = {"devices_per_node": 0, "trace_sha256": "", "placement": "", "expert": -1}
 
 
 def row(metric: str, value: float, unit: str, *, layer: int = -1, rank: int = -1, phase: str = "",
