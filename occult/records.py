@@ -3,8 +3,9 @@
 Columns: the run's context (run_id, experiment, label, system, impl,
 system_options, model, init, task, cluster, world_size, devices_per_node, num_experts, top_k,
 hidden_size, expert_ffn_size, dtype, tokens_per_rank, routing, trace_sha256 (of a replayed
-routing trace, "" for none), batch_size, seq_len, seed, config_hash), the measurement (layer,
-rank, phase, pass, metric, value, unit, sample, src_rank, dst_rank, expert) and provenance
+routing trace, "" for none), placement (``task.placement``: contiguous, eplb or an artifact; ""
+for a task without it), batch_size, seq_len, seed, config_hash), the measurement (layer, rank,
+phase, pass, metric, value, unit, sample, src_rank, dst_rank, expert) and provenance
 (git_commit, torch_version, device, hostname, time, clock, launcher).
 
 ``run_id`` is unique per composed config: readable fields and ``config_hash``, a
@@ -35,8 +36,8 @@ MEASUREMENT_COLUMNS = ["layer", "rank", "phase", "pass", "metric", "value", "uni
                        "src_rank", "dst_rank", "expert"]
 CONTEXT_COLUMNS = ["run_id", "experiment", "label", "system", "impl", "system_options", "model", "init", "task",
                    "cluster", "world_size", "devices_per_node", "num_experts", "top_k", "hidden_size", "expert_ffn_size",
-                   "dtype", "tokens_per_rank", "routing", "trace_sha256", "batch_size", "seq_len", "seed",
-                   "config_hash"]
+                   "dtype", "tokens_per_rank", "routing", "trace_sha256", "placement", "batch_size", "seq_len",
+                   "seed", "config_hash"]
 PROVENANCE_COLUMNS = ["git_commit", "torch_version", "device", "hostname", "time", "clock", "launcher"]
 COLUMNS = CONTEXT_COLUMNS + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
 RESULTS_FILE = "results.parquet"
@@ -57,7 +58,7 @@ LATER_KEYS = {"cluster.devices_per_node": 0, "cluster.single_rank_collectives": 
               "task.placement": "contiguous", "task.num_redundant": 0}
 # tables written before a column existed: the value their runs had (``dtype``: the harness's
 # default element type; runs in bfloat16 then were the GPU check's)
-LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32", "trace_sha256": "", "expert": -1}
+LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32", "trace_sha256": "", "placement": "", "expert": -1}
 
 
 def row(metric: str, value: float, unit: str, *, layer: int = -1, rank: int = -1, phase: str = "",

@@ -124,3 +124,28 @@ def test_a_trace_of_another_shape_is_refused_in_one_line(tmp_path):
         validate(cfg_with("task=layer", "model=olmoe_layer", "task.routing=trace", f"task.trace={tmp_path}"))
     assert "does not match the run" in str(err.value) and "\n" not in str(err.value)
     assert largest_max_over_mean(64, 8, 4) == 4.0 and largest_max_over_mean(8, 4, 4) == 2.0
+
+
+def test_the_layer_tasks_eplb_placement_is_built_from_a_profiling_draw_and_written(tmp_path):
+    """task.placement=eplb on task=layer: EPLB's slots from the workload drawn again at seed + 1,
+    the artifact written by rank 0 into the run folder; under them the run's own imbalance
+    routing (max / mean 2.0 on the contiguous placement) reaches its devices more evenly."""
+    pytest.importorskip("eplb")
+    import json
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from occult.tasks.layer import rank_workload, task_placement
+    cfg = cfg_with("task=layer", "model=olmoe_layer", "cluster=cpu4", "task.routing=imbalance",
+                   "task.placement=eplb", "task.num_redundant=8")
+    cfg = OmegaConf.create({**OmegaConf.to_container(cfg, resolve=True), "out_dir_resolved": str(tmp_path)})
+    ctx = SimpleNamespace(rank=0, world_size=4, ep=EPGroup(0, 4, None, "cpu", 0), device="cpu")
+    pl = task_placement(ctx, cfg)
+    doc = json.loads((tmp_path / "placement_eplb.json").read_text())
+    assert doc["built_by"]["name"] == "eplb" and doc["num_slots"] == pl.num_slots == 72
+    ids = [rank_workload(cfg, r, 4, cfg.seed) for r in range(4)]
+    home_T = torch.cat([torch.full((i.shape[0],), r) for r, i in enumerate(ids)])
+    on_eplb = torch.bincount(pl.pair_devices(torch.cat(ids), home_T).flatten(), minlength=4).double()
+    assert received_max_over_mean(torch.cat(ids), 64, 4) == pytest.approx(2.0, rel=0.02)
+    assert float(on_eplb.max() / on_eplb.mean()) < 1.2

@@ -207,21 +207,14 @@ def check_eplb_run(sweep: Path, tasks: set, P: int) -> None:
         assert df[df.metric == "recv_rows"].groupby("layer").value.sum().eq(pairs).all()
 
 
-@pytest.mark.timeout(300)
-def test_naive_on_eplb_slots_trains_parity_checked(tmp_path):
-    """task.placement=eplb with E/8 redundant slots: naive trains the OLMoE proxy on EPLB's slots
-    (built by the library from the routers' loads on a profiling set), gated by the parity check
-    on them (P = 2 here for test time; prefill and train at P = 4: the slow test below)."""
-    sweep = tmp_path / "sweep"
-    run_py("-m", "system=naive", "model=olmoe_proxy", "task=train", "cluster=cpu2", "task.placement=eplb",
-           "task.num_redundant=8", *TINY, f"hydra.sweep.dir={sweep}", NO_REPORT)
-    check_eplb_run(sweep, {"train"}, 2)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_naive_on_eplb_slots_runs_prefill_and_train_at_P4(tmp_path):
-    """The same at P = 4, prefill and train."""
+    """task.placement=eplb with E/8 redundant slots: naive runs prefill and train on the OLMoE
+    proxy at P = 4 on EPLB's slots (built by the library from the routers' loads on a profiling
+    set), gated by the parity check on them. (Slow for test time: the default suite checks the
+    same model on EPLB's slots against the single-device one, tests/test_models.py, and the
+    layer task's artifact, tests/test_load.py.)"""
     sweep = tmp_path / "sweep"
     run_py("-m", "system=naive", "model=olmoe_proxy", "task=prefill,train", "cluster=cpu4", "task.placement=eplb",
            "task.num_redundant=8", *TINY, f"hydra.sweep.dir={sweep}", NO_REPORT)
