@@ -9,7 +9,7 @@ TEST_STAMP := $(VENV)/.installed-test
 # there (a wheel built from the pinned commit against this torch and Python), else built
 # from its source repository at that commit (needs git, a C++ compiler and the network).
 # The folder: ../shared/wheels beside this checkout or, for a clone of a local checkout,
-# beside the checkout it was cloned from.
+# beside the checkout it was cloned from. EPLB's wheel is installed from the same folder.
 TUTEL_WHEELS ?= $(firstword $(wildcard ../shared/wheels $(shell git config --get remote.origin.url 2>/dev/null)/../shared/wheels) ../shared/wheels)
 TUTEL_COMMIT := 82af7aad9fc3ec981395ba97e7242a480984a55e
 TUTEL_SOURCE ?= git+https://github.com/microsoft/tutel@$(TUTEL_COMMIT)
@@ -34,6 +34,9 @@ $(STAMP): pyproject.toml Makefile
 	  $(PY) -m pip install --quiet setuptools wheel; \
 	  NO_CUDA=$${NO_CUDA:-1} $(PY) -m pip install --quiet --no-build-isolation "$(TUTEL_SOURCE)"; \
 	fi
+	@# DeepSeek's EPLB (task.placement=eplb): eplb.py of deepseek-ai/EPLB at d52c72d (MIT), packaged
+	@# unmodified as a wheel in the same folder (no registry has it)
+	$(PY) -m pip install --quiet --no-index --find-links $(TUTEL_WHEELS) eplb==0.0.0+d52c72d
 	@# DeepSpeed's C++ op (system=deepspeed) is built here, once per machine, not during a run
 	$(PY) -m baselines.deepspeed
 	@touch $(STAMP)

@@ -33,7 +33,8 @@ from .summary import RUN_KEYS, SYSTEM_KEYS, run_table, task_latency, with_ratios
 
 SHOWN = ["system", "impl", "label", "model", "task", "cluster", "top_k", "routing", "ct_all",
          "dispatch_rows_per_token", "dispatch_remote_MB", "a2a_dispatch_fwd_ms", "a2a_combine_fwd_ms", "layer_fwd_ms",
-         "layer_fwd_bwd_ms", "layer_fwd_ms_vs_naive", "layer_fwd_bwd_ms_vs_naive"]
+         "layer_fwd_bwd_ms", "layer_fwd_ms_vs_naive", "layer_fwd_bwd_ms_vs_naive", "recv_max_over_mean",
+         "slowest_rank"]
 NOT_RUNS = ("calibrate",)          # tasks whose runs measure the machine, not a system
 
 
@@ -45,6 +46,10 @@ def overview(df: pd.DataFrame, out: Path) -> Section:
     table = with_ratios(run_table(runs)).sort_values(["task", "system", "cluster", "top_k"])
     table.to_csv(out / "summary.csv", index=False)
     tables = [("summary", _filled(table[shown_columns(table, SHOWN)]))]
+    from .balance import phase_table
+    phases = phase_table(runs)
+    if not phases.empty:      # every timed phase's spread over ranks and its slowest rank
+        phases.to_csv(out / "phases.csv", index=False)
     lat = task_latency(runs)
     if not lat.empty:
         tables.append(("task_latency", _filled(lat[[c for c in lat if c not in ("run_id", "run_dir")
@@ -53,7 +58,9 @@ def overview(df: pd.DataFrame, out: Path) -> Section:
             f"{df.git_commit.iloc[0]}.{_wall_time(df)}",
             "Times are medians over timed samples of the slowest rank, in ms, measured on this machine: "
             "compare systems through the ratios, which were measured in the same sweep. C_T, rows and "
-            "bytes come from the split sizes that went into the collectives."]
+            "bytes come from the split sizes that went into the collectives. recv_max_over_mean: the dispatch's "
+            "received rows max / mean over ranks (MaxVio + 1); slowest_rank: of the run's headline phase; every "
+            "timed phase's min / mean / max over ranks and slowest rank: phases.csv."]
     return Section("Runs", text, tables, plot_phase_times(runs, out))
 
 

@@ -1,5 +1,8 @@
 """Summaries of the long results table: one row per run, ratios between systems.
 
+Every run's row carries the load axis (:mod:`analysis.balance`): the dispatch's received
+rows max / mean over ranks and the slowest rank of its headline phase.
+
 Times: a step lasts as long as its slowest rank, so each timed sample is
 first reduced to the maximum over ranks, then summarised by the median over
 samples. Ratios compare systems measured in the same sweep with everything
@@ -15,7 +18,8 @@ from __future__ import annotations
 import pandas as pd
 
 RUN_KEYS = ["experiment", "model", "task", "cluster", "world_size", "devices_per_node", "num_experts", "top_k",
-            "hidden_size", "expert_ffn_size", "tokens_per_rank", "routing", "batch_size", "seq_len", "seed"]
+            "hidden_size", "expert_ffn_size", "tokens_per_rank", "routing", "placement", "batch_size", "seq_len",
+            "seed"]
 SYSTEM_KEYS = ["system", "impl"]
 # what tells two configs of one system apart, and where a run's files are (not keys)
 RUN_DESCRIPTION = ["label", "system_options", "run_dir"]
@@ -62,6 +66,9 @@ def run_table(df: pd.DataFrame) -> pd.DataFrame:
         "layer_fwd_ms": slowest_rank_ms(df, "time", "layer", "forward"),
         "layer_fwd_bwd_ms": slowest_rank_ms(df, "time", "layer", "forward+backward"),
     }
+    from .balance import recv_balance, slowest_rank
+    cols.update(recv_balance(df).to_dict("series"))           # the load axis (analysis.balance)
+    cols["slowest_rank"] = slowest_rank(df)
     for name, series in cols.items():
         runs[name] = series
     return runs.reset_index()
@@ -99,7 +106,15 @@ def task_latency(df: pd.DataFrame) -> pd.DataFrame:
         out.append({**{k: run[k].iloc[0] for k in RUN_KEYS + SYSTEM_KEYS + described}, "run_id": run_id,
                     "latency_metric": metric, "latency_ms": lat.median(),
                     "tokens_per_s": tps.median() if not tps.empty else float("nan")})
-    return pd.DataFrame(out)
+    table = pd.DataFrame(out)
+    if not table.empty:                                       # the load axis (analysis.balance)
+        from .balance import recv_balance, slowest_rank
+        runs = df[df.run_id.isin(table.run_id)]
+        bal = recv_balance(runs)
+        for col in bal:
+            table[col] = table.run_id.map(bal[col])
+        table["slowest_rank"] = table.run_id.map(slowest_rank(runs))
+    return table
 
 
 def a2a_total_ms(df: pd.DataFrame, directions=("forward",)) -> pd.Series:

@@ -52,13 +52,15 @@ class NaiveHandle:
 
 class NaiveDispatcher(SplitDispatcher):
     """Naive EP; ``payload``: how the rows cross (fp32: as they are; bf16, int8, fp8:
-    compressed, see :mod:`occult.ep.payload`)."""
+    compressed, see :mod:`occult.ep.payload`). Runs on a slot placement too (EPLB's: each pair
+    to the copy that ``round_robin`` picks, :class:`occult.ep.placement.SlotPlacement`)."""
 
     impl = "harness"
 
     @dataclass
     class Config(PayloadConfig):
         accepts_dropped_pairs: ClassVar[bool] = True
+        slot_placements: ClassVar[bool] = True     # pairs sorted to the copy round_robin picks
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         K = topk_ids_TK.shape[1]

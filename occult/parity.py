@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .ep import GateRule, MoELayer, Placement, Recorder, ReferenceMoE, devices_per_token, init_expert_weights, system_config
+from .ep.replicas import sum_replica_gradients
 from .synthetic import expert_popularity, sample_topk
 
 # routing patterns a parity case can ask for
@@ -89,11 +90,10 @@ def make_problem(case: LayerCase, placement: Placement, device="cpu") -> Problem
         ids = torch.tensor(case.explicit_ids, dtype=torch.long, device="cpu").view(T, K)
     elif case.routing != "router":
         allowed = None
-        device_E = placement.device_E.cpu()
         if case.routing == "one_device":
-            allowed = device_E == 0
+            allowed = placement.device_E.cpu() == 0
         elif case.routing == "skip_last_device":
-            allowed = device_E != placement.num_devices - 1
+            allowed = placement.device_E.cpu() != placement.num_devices - 1
         elif case.routing != "uniform":
             raise ValueError(f"routing={case.routing!r}: allowed {list(CASE_ROUTINGS)}")
         ids = sample_topk(T, K, expert_popularity("uniform", E), g, allowed)
@@ -160,6 +160,7 @@ def check_layer(ctx, system, case: LayerCase, placement: Optional[Placement] = N
     rec = Recorder(rank=rank)
     out = layer(x, rec, ids)
     (out * prob.grad_TD[lo:hi]).sum().backward()
+    sum_replica_gradients(layer.experts, placement, ctx.ep)    # training's step: copies summed
 
     w = layer.router.weight
     grad_router = torch.zeros_like(w) if w.grad is None else w.grad.clone()   # None: weights unused
@@ -186,7 +187,7 @@ def check_layer(ctx, system, case: LayerCase, placement: Optional[Placement] = N
 
 
 def run_grid(ctx, jobs: list) -> list:
-    """Runs ``[(system dict, case, placement_groups or None[, devices_per_node]), ...]`` in one
+    """Runs ``[(system dict, case, placement_groups, a placement or None[, devices_per_node]), ...]`` in one
     world (a job's ``devices_per_node``, when given, groups this world's ranks into nodes its
     own way: one world runs several node layouts).
 
@@ -196,7 +197,8 @@ def run_grid(ctx, jobs: list) -> list:
     world_ctx = ctx
     for system, case, groups, *layout in jobs:
         ctx = replace(world_ctx, ep=replace(world_ctx.ep, devices_per_node=layout[0])) if layout else world_ctx
-        placement = Placement.from_groups(groups) if groups else None
+        # groups: a list of expert groups, or a placement itself (a slot placement: copies)
+        placement = groups if hasattr(groups, "pair_local") else Placement.from_groups(groups) if groups else None
         key = repr(system)            # each system's typed config made once (3 ms a merge)
         if key not in typed:
             typed[key] = system_config(system)
@@ -208,12 +210,15 @@ def run_grid(ctx, jobs: list) -> list:
     return out
 
 
-def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_size: int = 256) -> dict:
+def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_size: int = 256,
+                placements: Optional[dict] = None) -> dict:
     """An expert-parallel model against the single-device model on the concatenation of
     all ranks' sequences: logits, loss, and the gradients of every weight (replicated
-    weights after data-parallel averaging; experts against the reference's slice).
+    weights after data-parallel averaging; experts against the reference's slice, a copied
+    expert's after the sum over its copies).
 
-    ``cfg_dict`` holds ``model``, ``system`` and ``seed``; weights are random (seeded).
+    ``cfg_dict`` holds ``model``, ``system`` and ``seed``; weights are random (seeded);
+    ``placements``: ``{layer: placement}`` overriding the system's (e.g. EPLB's slots).
     """
     import copy
 
@@ -232,7 +237,7 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     ids = ids_all[rank * batch_per_rank:(rank + 1) * batch_per_rank]
 
     ref = base_model(cfg, vocab_size, device=ctx.device)
-    model = make_rank_model(ctx, copy.deepcopy(ref), cfg)
+    model = make_rank_model(ctx, copy.deepcopy(ref), cfg, placements)
     ref_out = ref(input_ids=ids_all, labels=ids_all)
     ref_out.loss.backward()
     rec = Recorder(rank=rank)
@@ -284,5 +289,5 @@ class _GradView:
 
 
 def run_model_grid(ctx, jobs: list) -> list:
-    """``[(cfg_dict, batch_per_rank, seq_len), ...]`` in one world."""
-    return [check_model(ctx, cfg, b, s) for cfg, b, s in jobs]
+    """``[(cfg_dict, batch_per_rank, seq_len[, placements]), ...]`` in one world."""
+    return [check_model(ctx, cfg, b, s, placements=more[0] if more else None) for cfg, b, s, *more in jobs]

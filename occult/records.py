@@ -2,10 +2,11 @@
 
 Columns: the run's context (run_id, experiment, label, system, impl,
 system_options, model, init, task, cluster, world_size, devices_per_node, num_experts, top_k,
-hidden_size, expert_ffn_size, dtype, tokens_per_rank, routing, batch_size, seq_len, seed,
-config_hash), the measurement (layer, rank, phase, pass, metric, value, unit,
-sample, src_rank, dst_rank) and provenance (git_commit, torch_version, device,
-hostname, time, clock, launcher).
+hidden_size, expert_ffn_size, dtype, tokens_per_rank, routing, trace_sha256 (of a replayed
+routing trace, "" for none), placement (``task.placement``: contiguous, eplb or an artifact; ""
+for a task without it), batch_size, seq_len, seed, config_hash), the measurement (layer, rank,
+phase, pass, metric, value, unit, sample, src_rank, dst_rank, expert) and provenance
+(git_commit, torch_version, device, hostname, time, clock, launcher).
 
 ``run_id`` is unique per composed config: readable fields and ``config_hash``, a
 digest of the composed config (:func:`config_hash`); ``system_options`` is the
@@ -32,10 +33,11 @@ import pandas as pd
 import torch
 
 MEASUREMENT_COLUMNS = ["layer", "rank", "phase", "pass", "metric", "value", "unit", "sample",
-                       "src_rank", "dst_rank"]
+                       "src_rank", "dst_rank", "expert"]
 CONTEXT_COLUMNS = ["run_id", "experiment", "label", "system", "impl", "system_options", "model", "init", "task",
                    "cluster", "world_size", "devices_per_node", "num_experts", "top_k", "hidden_size", "expert_ffn_size",
-                   "dtype", "tokens_per_rank", "routing", "batch_size", "seq_len", "seed", "config_hash"]
+                   "dtype", "tokens_per_rank", "routing", "trace_sha256", "placement", "batch_size", "seq_len",
+                   "seed", "config_hash"]
 PROVENANCE_COLUMNS = ["git_commit", "torch_version", "device", "hostname", "time", "clock", "launcher"]
 COLUMNS = CONTEXT_COLUMNS + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
 RESULTS_FILE = "results.parquet"
@@ -49,18 +51,23 @@ LATER_KEYS = {"cluster.devices_per_node": 0, "cluster.single_rank_collectives": 
               "task.optimisers": ["contiguous", "random", "greedy", "swap_search"],
               "task.load_caps": [None, 1.25, 1.15, 1.1], "task.swap_time_limit_s": 10.0,
               "task.total_tokens": 0, "task.routers": None, "task.sample_layers": 0,
-              "task.synthetic_tokens": 0}
-# a table written before ``dtype`` was a column: the harness's default element type (runs in
-# bfloat16 then were the GPU check's)
-LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32"}
+              "task.synthetic_tokens": 0,
+              # the load workloads and EPLB's placements (task.trace is left out: task=simulate
+              # has hashed its null since before)
+              "task.max_over_mean": 2.0, "task.incast_device": 0, "task.incast_share": 0.5,
+              "task.placement": "contiguous", "task.num_redundant": 0}
+# tables written before a column existed: the value their runs had (``dtype``: the harness's
+# default element type; runs in bfloat16 then were the GPU check's)
+LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32", "trace_sha256": "", "placement": "", "expert": -1}
 
 
 def row(metric: str, value: float, unit: str, *, layer: int = -1, rank: int = -1, phase: str = "",
-        direction: str = "", sample: int = -1, src_rank: int = -1, dst_rank: int = -1) -> dict:
-    """One measurement (``direction`` fills the ``pass`` column: forward / backward)."""
+        direction: str = "", sample: int = -1, src_rank: int = -1, dst_rank: int = -1, expert: int = -1) -> dict:
+    """One measurement (``direction`` fills the ``pass`` column: forward / backward; ``expert``:
+    the logical expert of a per-expert value, -1 for others)."""
     return {"layer": layer, "rank": rank, "phase": phase, "pass": direction, "metric": metric,
             "value": float(value), "unit": unit, "sample": sample, "src_rank": src_rank,
-            "dst_rank": dst_rank}
+            "dst_rank": dst_rank, "expert": expert}
 
 
 def git_commit() -> str:
@@ -154,7 +161,8 @@ def make_frame(rows: list, context: dict) -> pd.DataFrame:
     own = [c for c in CONTEXT_COLUMNS if any(c in r for r in rows)]
     df = pd.DataFrame(rows, columns=MEASUREMENT_COLUMNS + own)
     for key, value in {**provenance(), **LATER_COLUMNS, **context}.items():
-        df[key] = df[key].where(df[key].notna(), value) if key in own else value
+        own_value = key in own or key in MEASUREMENT_COLUMNS     # the rows' own values, defaults filling gaps
+        df[key] = df[key].where(df[key].notna(), value) if own_value else value
     missing = [c for c in COLUMNS if c not in df.columns]
     if missing:
         raise ValueError(f"results: context lacks columns {missing}")

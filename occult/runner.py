@@ -63,9 +63,18 @@ def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
             "tokens_per_rank": (t.total_tokens // c.world_size if getattr(t, "total_tokens", 0)
                                 else getattr(t, "tokens_per_rank", -1)),
             "routing": getattr(t, "routing", "router" if t.whole_model else ""),
+            "trace_sha256": run_trace_sha256(t), "placement": getattr(t, "placement", ""),
             "batch_size": getattr(t, "batch_size", -1), "seq_len": getattr(t, "seq_len", -1),
             "seed": cfg.seed, "config_hash": digest, "clock": t.clock or clock_name(c.backend),
             "launcher": world.kind if world is not None else "local"}
+
+
+def run_trace_sha256(t) -> str:
+    """sha256 of the routing trace a task replays (``task.routing=trace``), "" for none."""
+    if getattr(t, "routing", "") != "trace" or not getattr(t, "trace", None):
+        return ""
+    from .workloads import trace_file, trace_sha256
+    return trace_sha256(t.trace) if trace_file(t.trace).is_file() else ""
 
 
 def run_hashed_config(cfg: DictConfig) -> dict:

@@ -8,7 +8,8 @@ from typing import Optional
 
 import torch
 
-ROUTINGS = ("router", "uniform", "zipf")
+# the load workloads (imbalance, incast, trace) are drawn by :mod:`occult.workloads`
+ROUTINGS = ("router", "uniform", "zipf", "imbalance", "incast", "trace")
 
 
 def expert_popularity(kind: str, num_experts: int, zipf_s: float = 1.2) -> torch.Tensor:

@@ -50,7 +50,7 @@ def test_unknown_system_lists_the_choices():
     (["model.top_k=0"], r"model.top_k=0"),
     (["model.num_experts=60", "model.top_k=4", "cluster=cpu8"],
      r"model.num_experts=60 is not divisible by the world size 8 .*Allowed world sizes: \[1, 2, 3, 4, 5, 6, 10"),
-    (["task.routing=gauss"], r"task.routing='gauss': allowed values are \['router', 'uniform', 'zipf'\]"),
+    (["task.routing=gauss"], r"task.routing='gauss': allowed values are \['router', 'uniform', 'zipf', 'imbalance', 'incast', 'trace'\]"),
     (["task.iters=0"], r"task.iters=0"),
     (["cluster.backend=mpi"], r"cluster.backend='mpi': allowed values"),
     (["system._target_=baselines.naive.Nope"], r"system=naive: cannot import"),

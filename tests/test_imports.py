@@ -41,7 +41,7 @@ LEVELS = {
     "occult.models": 4, "occult.parity": 4, "occult.data": 4, "occult.memory": 4,
     "baselines": 5, "occult.collab": 5,
     "occult.pruning": 6, "occult.placement": 6, "occult.kernels": 6, "occult.records": 6,
-    "occult.routing_traces": 6,
+    "occult.routing_traces": 6, "occult.workloads": 6,
     "occult.ep": 7,
     "occult.errors": 8, "occult.synthetic": 8,
 }

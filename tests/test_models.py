@@ -96,16 +96,36 @@ def test_group_limit_over_devices_is_deepseek_v3s_router_with_devices_as_groups(
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("P", [2, 4])
 def test_ep_models_match_single_device(P):
+    """Every proxy on naive and occult, and the OLMoE proxy on naive over EPLB's slot
+    placements (E/8 redundant: copies of the hot experts, the training gradient of a copied
+    expert summed over its copies), equal the single-device model."""
     jobs = [({"model": tiny(n), "system": {"name": s, "_target_": t}, "seed": 1}, 2, 8)
             for n in PROXIES for s, t in SYSTEMS]
+    jobs += eplb_model_jobs(P)
     per_rank = launch(run_model_grid, P, (jobs,), timeout_s=360)
     for rank, results in enumerate(per_rank):
-        for (cfg, _, _), res in zip(jobs, results):
+        for (cfg, *_), res in zip(jobs, results):
             bad = {k: v for k, v in res["errors"].items() if not v < 2e-5}
             assert not bad, (P, rank, cfg["model"]["name"], cfg["system"]["name"], bad)
             moe_layers = {layer for layer, _ in res["routing"]}
             first_dense = cfg["model"].get("first_k_dense", 0)
             assert moe_layers == set(range(first_dense, cfg["model"]["num_layers"]))
+
+
+def eplb_model_jobs(P: int) -> list:
+    """The OLMoE proxy on naive over EPLB's slots of a skewed seeded load per layer ([] without eplb)."""
+    try:
+        import eplb  # noqa: F401
+        from occult.placement.eplb import eplb_placements
+    except ImportError:
+        return []
+    m = tiny("olmoe_proxy")
+    E = m["num_experts"]
+    g = torch.Generator().manual_seed(P)
+    loads = {layer: (1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2)[torch.randperm(E, generator=g)]
+             for layer in range(m["num_layers"])}
+    return [({"model": m, "system": {"name": "naive", "_target_": SYSTEMS[0][1]}, "seed": 1}, 2, 8,
+             eplb_placements(loads, E // 8, P))]
 
 
 def _model(name, seed=0):

@@ -18,6 +18,7 @@ the node layout also as one node and as 4 nodes of 1).
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from occult.dist import launch
 from occult.ep import GateRule, system_config
@@ -83,6 +84,73 @@ def failures_of(labels: list, results: list, P: int) -> list:
     return failures
 
 
+def eplb_slot_placements(P: int) -> list:
+    """EPLB's slot placements for the world (the real library, on a skewed seeded load, so
+    that hot experts get copies, some on one device): (label, E, placement) for two redundant
+    counts, or [] when eplb is not installed."""
+    try:
+        from occult.placement.eplb import eplb_placements, num_redundant_error
+        import eplb  # noqa: F401
+    except ImportError:
+        return []
+    import torch
+    out = []
+    E = EXPERTS[P][0]
+    load_E = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.5
+    load_E = load_E[torch.randperm(E, generator=torch.Generator().manual_seed(P))]
+    for r in (E // 8, E // 4):
+        r = next(n for n in range(r, r + P + 1) if not num_redundant_error(n, E, P))
+        out.append((f"naive[eplb r={r}]", E, eplb_placements({0: load_E}, r, P)[0]))
+    return out
+
+
+def eplb_jobs(P: int) -> tuple[list, list]:
+    """naive on EPLB's slot placements (round_robin copies; training sums a copied expert's
+    gradient over its copies): the grid's jobs and labels."""
+    jobs, labels = [], []
+    naive = exact_systems()["naive"]
+    for label, E, placement in eplb_slot_placements(P):
+        T = (5, 9, 4, 7)[:P] if P > 1 else (11,)
+        for K in (1, 2, 8):
+            for case in (LayerCase(E, K, T, routing="uniform", seed=E * 10 + K),
+                         LayerCase(E, K, T, routing="router", renormalize=True, seed=E * 10 + K + 1)):
+                jobs.append((naive, case, placement))
+                labels.append((label, case, naive))
+        if P > 1:
+            jobs.append((naive, LayerCase(E, 2, (0,) + T[1:], seed=3), placement))
+            labels.append((label, jobs[-1][1], naive))
+    return jobs, labels
+
+
+# the load workload in the P = 4 world: task.routing=imbalance's routing (max / mean 2.0) at
+# OLMoE's E = 64, K = 8, 512 tokens per rank, on naive's contiguous placement and on EPLB's
+# with E/8 redundant slots built from a profiling draw (seed + 1)
+IMBALANCE = dict(P=4, E=64, K=8, T=512, target=2.0)
+
+
+def imbalance_jobs(P: int) -> tuple[list, list]:
+    """naive on the imbalance workload, contiguous and on EPLB's slots: jobs and labels."""
+    if P != IMBALANCE["P"]:
+        return [], []
+    from occult.workloads import imbalance_routing
+    E, K, T = IMBALANCE["E"], IMBALANCE["K"], IMBALANCE["T"]
+    ids, _, _ = imbalance_routing([T] * P, K, E, IMBALANCE["target"], seed=0)
+    case = LayerCase(E, K, (T,) * P, routing="explicit", seed=11,
+                     explicit_ids=tuple(torch.cat(ids).flatten().tolist()))
+    naive = exact_systems()["naive"]
+    jobs, labels = [(naive, case, None)], [("naive[imbalance]", case, naive)]
+    try:
+        from occult.placement.eplb import eplb_placements
+        import eplb  # noqa: F401
+    except ImportError:
+        return jobs, labels
+    profiling, _, _ = imbalance_routing([T] * P, K, E, IMBALANCE["target"], seed=1)
+    load_E = torch.bincount(torch.cat(profiling).flatten(), minlength=E).double()
+    jobs.append((naive, case, eplb_placements({0: load_E}, E // 8, P)[0]))
+    labels.append(("naive[imbalance, eplb r=E/8]", case, naive))
+    return jobs, labels
+
+
 # the traffic grid beside the parity grid: its world sizes, and the node layouts it runs in
 # each (None: the world's own, NODES)
 TRAFFIC_LAYOUTS = {2: (None,), 4: (None, 0, 1)}
@@ -103,6 +171,8 @@ class World:
 def world(request, tmp_path_factory) -> World:
     P = request.param
     jobs, labels = parity_jobs(P, exact_systems())
+    for more_jobs, more_labels in (eplb_jobs(P), imbalance_jobs(P)):
+        jobs, labels = jobs + more_jobs, labels + more_labels
     traffic, traffic_labels = [], []
     if P in TRAFFIC_LAYOUTS:
         systems = traffic_systems(similarity_file(tmp_path_factory.mktemp("similarity"), P), exact_defaults=False)
@@ -118,6 +188,51 @@ def test_every_system_matches_reference(world):
     failures = failures_of(world.labels, world.results, world.P)
     assert not failures, "\n".join(failures[:20])
     assert len(world.labels) >= len(exact_systems()) * 4
+
+
+@pytest.mark.timeout(300)
+def test_naive_on_eplb_slots_matches_reference(world):
+    """naive on EPLB's slot placements (copies of hot experts, some on one device) is
+    exact, forward and backward; a copied expert's gradient is the sum over its copies.
+    Its dispatch sends one row per pair, each to the copy round_robin picks."""
+    pytest.importorskip("eplb")
+    slot = [(i, lab) for i, lab in enumerate(world.labels) if lab[0].startswith("naive[eplb")]
+    assert len(slot) >= 12
+    failures = failures_of([lab for _, lab in slot], [[r[i] for i, _ in slot] for r in world.results], world.P)
+    assert not failures, "\n".join(failures[:20])
+    placements = {label: pl for label, _, pl in eplb_slot_placements(world.P)}
+    assert any(bool((pl.copies_E() > 1).any()) for pl in placements.values())
+    for i, (name, case, system) in slot[:4]:      # naive's plan on the slots = what every rank logged
+        per_rank = [r[i] for r in world.results]
+        assert not plan_disagreements(name, system, case, per_rank, world.P, NODES[world.P], placements[name])
+
+
+def received_max_over_mean(per_rank: list, P: int) -> float:
+    """The dispatch's received rows (forward) max / mean over ranks, from the split sizes
+    every rank passed to its collectives (its logged events)."""
+    from occult.tasks.common import received_rows_P
+    recv_P = sum(received_rows_P(res["comm"], 0, P) for res in per_rank)
+    return float(recv_P.max() / recv_P.double().mean())
+
+
+@pytest.mark.timeout(300)
+def test_imbalance_workload_reaches_its_target_and_eplb_lowers_it(world):
+    """task.routing=imbalance at max / mean 2.0 gives 2.0 +- 2 % on naive at P = 4 (the rows
+    its ranks sent); naive on EPLB's placement with E/8 redundant slots receives with a lower
+    max / mean, exactly (in the parity check)."""
+    if world.P != IMBALANCE["P"]:
+        pytest.skip("the imbalance workload runs in the P = 4 world")
+    found = {lab[0]: [r[i] for r in world.results] for i, lab in enumerate(world.labels)
+             if lab[0].startswith("naive[imbalance")}
+    contiguous = received_max_over_mean(found["naive[imbalance]"], world.P)
+    assert contiguous == pytest.approx(IMBALANCE["target"], rel=0.02)
+    if "naive[imbalance, eplb r=E/8]" not in found:
+        pytest.skip("eplb is not installed")
+    eplb = received_max_over_mean(found["naive[imbalance, eplb r=E/8]"], world.P)
+    assert eplb < contiguous and not failures_of(
+        [lab for lab in world.labels if lab[0].startswith("naive[imbalance")],
+        [[r[i] for i, lab in enumerate(world.labels) if lab[0].startswith("naive[imbalance")] for r in world.results],
+        world.P)
 
 
 @pytest.mark.timeout(300)

@@ -183,3 +183,54 @@ def test_bench_model_times_two_systems_in_one_world(tmp_path):
         assert set(raw["sample"]) == {0, 1}
     occ = df[(df.system == "occult") & (df.metric == "bytes")].value.sum()
     assert 0 < occ < df[(df.system == "naive") & (df.metric == "bytes")].value.sum()
+
+
+def check_eplb_run(sweep: Path, tasks: set, P: int) -> None:
+    """Every run of ``sweep``: parity-checked on every rank, EPLB's artifact (E/8 redundant) in
+    its folder naming the library, the load axis in its rows (received rows per rank, their max /
+    mean, per-expert load summing to every pair)."""
+    import json
+
+    pairs = 8 * P * 2 * 16                       # K x ranks x TINY's batch x sequence
+    runs = {pd.read_parquet(p).task.iloc[0]: p for p in sweep.rglob("results.parquet")}
+    assert set(runs) == tasks
+    for path in runs.values():
+        df = pd.read_parquet(path)
+        assert (df[df.metric == "parity_checked"].value == 1).all() and len(df[df.metric == "parity_checked"]) == P
+        doc = json.loads((path.parent / "placement_eplb.json").read_text())
+        assert doc["built_by"]["name"] == "eplb" and doc["built_by"]["impl"] == "library"
+        assert doc["num_slots"] == 72 and len(doc["layers"]) == 2
+        assert sorted(df[(df.metric == "recv_rows") & (df.layer == 0)]["rank"]) == list(range(P))
+        assert len(df[df.metric == "recv_max_over_mean"]) == 2 and (df[df.metric == "recv_max_over_mean"].value >= 1).all()
+        load = df[(df.metric == "expert_load") & (df.layer == 0)]
+        assert sorted(load.expert) == list(range(64)) and load.value.sum() == pairs
+        assert df[df.metric == "recv_rows"].groupby("layer").value.sum().eq(pairs).all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_naive_on_eplb_slots_runs_prefill_and_train_at_P4(tmp_path):
+    """task.placement=eplb with E/8 redundant slots: naive runs prefill and train on the OLMoE
+    proxy at P = 4 on EPLB's slots (built by the library from the routers' loads on a profiling
+    set), gated by the parity check on them. (Slow for test time: the default suite checks the
+    same model on EPLB's slots against the single-device one, tests/test_models.py, and the
+    layer task's artifact, tests/test_load.py.)"""
+    sweep = tmp_path / "sweep"
+    run_py("-m", "system=naive", "model=olmoe_proxy", "task=prefill,train", "cluster=cpu4", "task.placement=eplb",
+           "task.num_redundant=8", *TINY, f"hydra.sweep.dir={sweep}", NO_REPORT)
+    check_eplb_run(sweep, {"prefill", "train"}, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_imbalance_target_on_naive_at_P8_from_a_run(tmp_path):
+    """task.routing=imbalance task.max_over_mean=2 on naive at P = 8 (a real world): 2.0 +- 2 %
+    from the rows its ranks sent, and lower on EPLB's E/8 slots."""
+    ratio = {}
+    for placement, more in (("contiguous", []), ("eplb", ["task.placement=eplb", "task.num_redundant=8"])):
+        run_py("task=layer", "system=naive", "model=olmoe_layer", "model.hidden_size=64", "model.expert_ffn_size=32",
+               "cluster=cpu8", "task.routing=imbalance", "task.max_over_mean=2", "task.iters=1", "task.warmup=0",
+               *more, f"out_dir={tmp_path / placement}")
+        df = pd.read_parquet(tmp_path / placement / "results.parquet")
+        ratio[placement] = df[df.metric == "recv_max_over_mean"].value.item()
+    assert ratio["contiguous"] == pytest.approx(2.0, rel=0.02) and ratio["eplb"] < ratio["contiguous"]

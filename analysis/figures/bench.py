@@ -27,6 +27,8 @@ config of a world is its own run), its figures and its ratios to the first syste
 * the targets of the "Occult at its limit" work (``report_options.bench`` of
   conf/experiment/bench.yaml: shapes, columns and bounds), each with its measured value
   and, where one is measured, its floor (``measured_floor``, named in ``floor_is``);
+* collective bandwidth (``bench_bandwidth``): every timed all-to-all's algbw and busbw
+  (:mod:`analysis.balance`);
 * traffic plans (``task=simulate``, ``bench_plans.csv``): per system, the seconds and the
   peak memory of planning one layer of its simulated world (the slowest layer), with the
   bounds ``planning_time_bound_s`` and ``planning_memory_bound_GB``.
@@ -267,6 +269,18 @@ def planning_table(df: pd.DataFrame, time_bound_s=None, memory_bound_GB=None) ->
     return table
 
 
+def bench_bandwidth(df: pd.DataFrame) -> pd.DataFrame:
+    """Per run (model, system) and timed all-to-all (phase, pass): algbw and busbw
+    (:func:`analysis.balance.bandwidth_table`, nccl-tests' all-to-all definitions)."""
+    from ..balance import bandwidth_table
+
+    table = bandwidth_table(df) if not df.empty else pd.DataFrame()
+    if table.empty:
+        return table
+    names = df.groupby("run_id")[["model", "task", "system"]].first()
+    return names.join(table.set_index("run_id"), how="inner").reset_index(drop=True)
+
+
 def build(df: pd.DataFrame, out_dir, planning_time_bound_s=None, planning_memory_bound_GB=None, **targets) -> list:
     """Report builder: the benchmark tables (see the module docstring); ``targets``: the
     options of :func:`targets_table` (the experiment's ``report_options.bench``), and the
@@ -303,6 +317,10 @@ def build(df: pd.DataFrame, out_dir, planning_time_bound_s=None, planning_memory
     if not targets.empty:
         tables.append(("bench_targets", targets))
         md.append(targets.to_markdown(index=False, floatfmt=".3g"))
+    bandwidth = bench_bandwidth(pd.concat([layer_runs, model_runs]))
+    if not bandwidth.empty:
+        tables.append(("bench_bandwidth", bandwidth))
+        md.append(bandwidth.to_markdown(index=False, floatfmt=".3g"))
     plans = planning_table(plan_runs, planning_time_bound_s, planning_memory_bound_GB)
     if not plans.empty:
         plans.to_csv(out_dir / "bench_plans.csv", index=False)
@@ -322,5 +340,8 @@ def build(df: pd.DataFrame, out_dir, planning_time_bound_s=None, planning_memory
             "the floor named in floor_is. Traffic plans (task=simulate, one process): planning_s, the seconds to "
             "plan every rank's collectives of the world's slowest layer; peak_memory_GB, the process's peak "
             "resident memory while it planned (the device allocator's on a GPU), added_memory_GB what planning "
-            "added to the memory in use when it began."]
+            "added to the memory in use when it began. Collective bandwidth (bench_bandwidth): per timed "
+            "all-to-all, algbw = S / t and busbw = algbw x (n - 1) / n as nccl-tests defines them for "
+            "all-to-all, S the bytes a rank sends including its own block (with uneven splits, each rank's own "
+            "total); the median over samples and layers of the mean over ranks, and of the slowest rank's."]
     return [Section(title, text, tables)]

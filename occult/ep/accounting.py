@@ -149,18 +149,21 @@ def backward_span(recorder: "Recorder | None", layer: int, name: str, inputs, ou
         t.register_hook(end)
 
 
-def devices_per_token(topk_ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
+def devices_per_token(topk_ids_TK: torch.Tensor, placement: Placement, home_T=None) -> torch.Tensor:
     """Distinct devices among each token's top-k experts: shape [T] (long; dropped pairs,
-    id -1, count for no device). Sorts each token's K devices and counts the changes: no
-    [T, P] table, so a world of a million tokens over 256 devices costs O(T K)."""
-    return _distinct_devices(topk_ids_TK, placement)[0]
+    id -1, count for no device; on a slot placement the device of the copy that serves the
+    pair, its replica rule counted per sending rank ``home_T``). Sorts each token's K devices
+    and counts the changes: no [T, P] table, so a world of a million tokens over 256 devices
+    costs O(T K)."""
+    return _distinct_devices(topk_ids_TK, placement, home_T)[0]
 
 
-def _distinct_devices(topk_ids_TK: torch.Tensor, placement: Placement) -> tuple[torch.Tensor, torch.Tensor]:
+def _distinct_devices(topk_ids_TK: torch.Tensor, placement: Placement, home_T=None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(distinct_T, dev_TK)``: each token's distinct devices (long [T]) and the device of each
     of its pairs (long [T, K], -1 for a dropped pair)."""
     keep_TK = topk_ids_TK >= 0
-    dev_TK = torch.where(keep_TK, placement.device_E[topk_ids_TK.clamp_min(0)], -1)
+    dev_TK = torch.where(keep_TK, placement.pair_devices(topk_ids_TK, home_T), -1)
     if dev_TK.shape[1] == 0:
         return torch.zeros(dev_TK.shape[0], dtype=torch.long, device=dev_TK.device), dev_TK
     sorted_TK = dev_TK.sort(dim=1).values
@@ -169,15 +172,16 @@ def _distinct_devices(topk_ids_TK: torch.Tensor, placement: Placement) -> tuple[
     return first_T + changes_T, dev_TK
 
 
-def device_hits(topk_ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
+def device_hits(topk_ids_TK: torch.Tensor, placement: Placement, home_T=None) -> torch.Tensor:
     """hit_TP[t, p]: token t has at least one of its top-k experts on device p (bool [T, P];
-    dropped pairs, id -1, hit nothing)."""
+    dropped pairs, id -1, hit nothing). On a slot placement a pair hits the device of the
+    copy that serves it (its replica rule, counted per sending rank ``home_T``)."""
     T, K = topk_ids_TK.shape
     dev = topk_ids_TK.device
     hit_TP = torch.zeros(T, placement.num_devices, dtype=torch.bool, device=dev)
     keep_TK = topk_ids_TK >= 0
     tok_TK = torch.arange(T, device=dev).unsqueeze(1).expand(T, K)
-    hit_TP[tok_TK[keep_TK], placement.device_E[topk_ids_TK[keep_TK]]] = True
+    hit_TP[tok_TK[keep_TK], placement.pair_devices(topk_ids_TK, home_T)[keep_TK]] = True
     return hit_TP
 
 
@@ -211,15 +215,15 @@ class TokenDevices:
 def token_devices(topk_ids_TK: torch.Tensor, placement: Placement, home_T: Optional[torch.Tensor] = None
                   ) -> TokenDevices:
     """:class:`TokenDevices` of tokens ``topk_ids_TK`` (dropped pairs, id -1, count for nothing)
-    whose home devices are ``home_T`` (None: remote counts are the distinct counts). O(T K^2)
-    small operations, no [T, P] table."""
-    distinct_T, dev_TK = _distinct_devices(topk_ids_TK, placement)
+    whose home devices are ``home_T`` (None: remote counts are the distinct counts; a slot
+    placement's replica rule then counts every pair as one sender's). O(T K) small operations,
+    no [T, P] table."""
+    distinct_T, dev_TK = _distinct_devices(topk_ids_TK, placement, home_T)
     T, K = dev_TK.shape
     remote_T = distinct_T
     if home_T is not None:
         remote_T = distinct_T - (dev_TK == home_T.to(dev_TK.device).unsqueeze(1)).any(1).long()
-    kept_TK = dev_TK >= 0
-    kept_T = kept_TK.sum(1)
+    kept_T = (dev_TK >= 0).sum(1)
     # experts of a token per device: lengths of the runs of equal devices in its sorted row
     sorted_TK = dev_TK.sort(dim=1).values
     starts_TK = torch.ones_like(sorted_TK, dtype=torch.bool)
@@ -230,11 +234,12 @@ def token_devices(topk_ids_TK: torch.Tensor, placement: Placement, home_T: Optio
     return TokenDevices(distinct_T, remote_T, same_T, kept_T * (kept_T - 1))
 
 
-def ct_all(topk_ids_TK: torch.Tensor, placement: Placement) -> float:
-    """C_T counting the copy a token sends to its own device: mean distinct devices per token."""
+def ct_all(topk_ids_TK: torch.Tensor, placement: Placement, home_T=None) -> float:
+    """C_T counting the copy a token sends to its own device: mean distinct devices per token
+    (``home_T``: each token's rank, read only by a slot placement's replica rule)."""
     if topk_ids_TK.shape[0] == 0:
         return float("nan")
-    return devices_per_token(topk_ids_TK, placement).float().mean().item()
+    return devices_per_token(topk_ids_TK, placement, home_T).float().mean().item()
 
 
 def ct_remote(topk_ids_TK: torch.Tensor, placement: Placement, home_T: torch.Tensor) -> float:
@@ -245,11 +250,11 @@ def ct_remote(topk_ids_TK: torch.Tensor, placement: Placement, home_T: torch.Ten
     return token_devices(topk_ids_TK, placement, home_T).ct_remote()
 
 
-def intra_ratio(topk_ids_TK: torch.Tensor, placement: Placement) -> float:
+def intra_ratio(topk_ids_TK: torch.Tensor, placement: Placement, home_T=None) -> float:
     """Share of co-activated expert pairs (same token) hosted on the same device."""
     if topk_ids_TK.shape[0] == 0 or topk_ids_TK.shape[1] < 2:
         return float("nan")
-    return token_devices(topk_ids_TK, placement).intra_ratio()
+    return token_devices(topk_ids_TK, placement, home_T).intra_ratio()
 
 
 def ct_bounds(num_experts: int, top_k: int, world_size: int) -> tuple[int, int]:

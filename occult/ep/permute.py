@@ -8,12 +8,14 @@ from typing import Optional
 
 import torch
 
-from .placement import Placement
+from .placement import AnyPlacement, Placement, SlotPlacement  # noqa: F401 (types)
 
 
-def sort_pairs_by_destination(topk_ids_TK: torch.Tensor, placement: Placement,
+def sort_pairs_by_destination(topk_ids_TK: torch.Tensor, placement: AnyPlacement,
                               keep_TK: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Orders the (token, k) pairs by (destination device, local slot).
+    """Orders the (token, k) pairs by (destination device, local slot). ``placement``: a
+    :class:`Placement`, or a :class:`SlotPlacement` (each pair to the copy its replica rule
+    picks; e is then the slots per device).
 
     Returns ``order_R`` (indices into the flattened [T*K] pairs; ``order_R // K``
     is the token) and ``send_Pe``, the number of pairs for each destination
@@ -22,8 +24,8 @@ def sort_pairs_by_destination(topk_ids_TK: torch.Tensor, placement: Placement,
     and of the counts.
     """
     P, e = placement.num_devices, placement.num_local
-    ids = topk_ids_TK.clamp_min(0)
-    key_R = (placement.device_E[ids] * e + placement.slot_E[ids]).flatten()
+    device_TK, local_TK = placement.pair_local(topk_ids_TK)   # a slot placement: the round_robin copy
+    key_R = (device_TK * e + local_TK).flatten()
     left_out_R = (topk_ids_TK < 0).flatten()
     if keep_TK is not None:
         left_out_R = left_out_R | ~keep_TK.flatten()

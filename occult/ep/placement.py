@@ -1,11 +1,19 @@
 """Expert placement: which device hosts each expert of a layer, and in which local slot.
 
-Shapes: E experts, P devices, e = E / P local experts per device.
+Two kinds: :class:`Placement` (equal groups of logical experts, one copy each; replicating
+systems add per-batch shadows) and :class:`SlotPlacement` (physical slots, EPLB's layout:
+copies of hot experts, unequal numbers of logical experts per device). Both answer
+``pair_local`` (the device and local slot that serve each (token, k) pair) and
+``local_experts`` (the logical expert of each of a device's local slots), which is all a
+dispatcher that sorts pairs by destination needs.
+
+Shapes: E experts, P devices, e = E / P local experts per device (S / P slots for a slot
+placement), T tokens, K top-k.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -106,3 +114,161 @@ class Placement:
 
     def groups(self) -> list[list[int]]:
         return [self.local_experts(p).tolist() for p in range(self.num_devices)]
+
+    def pair_local(self, topk_ids_TK: torch.Tensor, home_T: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device and local slot of each (token, k) pair: two [T, K] tensors (a dropped pair,
+        id -1, reads expert 0's; callers mask it). ``home_T`` is unused (one copy per expert)."""
+        ids_TK = topk_ids_TK.clamp_min(0)
+        return self.device_E[ids_TK], self.slot_E[ids_TK]
+
+    def pair_devices(self, topk_ids_TK: torch.Tensor, home_T: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Device of each (token, k) pair: [T, K]."""
+        return self.pair_local(topk_ids_TK, home_T)[0]
+
+
+@dataclass(frozen=True)
+class SlotPlacement:
+    """Physical slots of one MoE layer: which logical expert each slot holds, on which device
+    (EPLB's layout: a hot expert may have several copies, on one device or several, and
+    devices hold unequal numbers of logical experts).
+
+    Shapes: S physical slots, E logical experts, P devices, e = S / P slots per device.
+    ``expert_S[s]`` is the logical expert in slot s, ``device_S[s]`` its device; every
+    device holds exactly e slots, every expert at least one, and a device's local slots are
+    its slots in increasing s (EPLB's slot s is on device s // e: :meth:`from_phy2log`).
+
+    Which copy serves a pair is the static ``round_robin`` rule of vLLM and SGLang: the
+    i-th pair of expert x sent by one rank (counted in token-major (token, k) order) goes to
+    copy ``i mod copies(x)`` (copies in slot order). ``replicas_EP`` is always None (no
+    per-batch shadows on a slot placement).
+    """
+
+    expert_S: torch.Tensor
+    device_S: torch.Tensor
+    num_devices: int
+    num_experts: int
+    replicas_EP: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        S, P, E = self.expert_S.numel(), self.num_devices, self.num_experts
+        if self.device_S.numel() != S:
+            raise ValueError(f"slot placement: expert_S has {S} slots, device_S {self.device_S.numel()}")
+        if P < 1 or S % P:
+            raise ValueError(f"slot placement: {S} physical slots do not split equally over {P} devices")
+        if S and (int(self.device_S.min()) < 0 or int(self.device_S.max()) >= P):
+            raise ValueError(f"slot placement: devices must be in [0, {P})")
+        counts = torch.bincount(self.device_S, minlength=P)
+        if not bool((counts == S // P).all()):
+            raise ValueError(f"slot placement: devices must hold {S // P} slots each, got {counts.tolist()}")
+        if S and (int(self.expert_S.min()) < 0 or int(self.expert_S.max()) >= E):
+            raise ValueError(f"slot placement: experts must be in [0, {E})")
+        missing = (torch.bincount(self.expert_S, minlength=E) == 0).nonzero().flatten().tolist()
+        if missing:
+            raise ValueError(f"slot placement: experts {missing} have no slot")
+
+    @property
+    def num_slots(self) -> int:
+        return self.expert_S.numel()
+
+    @property
+    def num_local(self) -> int:
+        """Slots per device (e): the local experts a device runs, copies included."""
+        return self.num_slots // self.num_devices
+
+    def copies_E(self) -> torch.Tensor:
+        """Copies of each logical expert: [E] (long)."""
+        return torch.bincount(self.expert_S, minlength=self.num_experts)
+
+    def local_slot_S(self) -> torch.Tensor:
+        """Each slot's index among its device's slots: [S]."""
+        order_S = torch.argsort(self.device_S * self.num_slots
+                                + torch.arange(self.num_slots, device=self.device_S.device))
+        local_S = torch.empty_like(order_S)
+        local_S[order_S] = torch.arange(self.num_slots, device=order_S.device) % self.num_local
+        return local_S
+
+    def local_slots(self, device: int) -> torch.Tensor:
+        """Slot ids of ``device`` in local order: [e]."""
+        return torch.nonzero(self.device_S == device).flatten()
+
+    def local_experts(self, device: int) -> torch.Tensor:
+        """The logical expert of each of ``device``'s slots, in local order: [e] (an expert
+        with two copies there appears twice)."""
+        return self.expert_S[self.local_slots(device)]
+
+    def copy_table_EC(self) -> torch.Tensor:
+        """Slots of each expert in slot order, padded with -1: [E, max copies]."""
+        E, S = self.num_experts, self.num_slots
+        order_S = torch.argsort(self.expert_S * S + torch.arange(S, device=self.expert_S.device))
+        copies_E = self.copies_E()
+        start_E = torch.cumsum(copies_E, 0) - copies_E
+        rank_S = torch.arange(S, device=order_S.device) - start_E[self.expert_S[order_S]]
+        table_EC = torch.full((E, int(copies_E.max()) if S else 0), -1, dtype=torch.long,
+                              device=order_S.device)
+        table_EC[self.expert_S[order_S], rank_S] = order_S
+        return table_EC
+
+    def pair_slots(self, topk_ids_TK: torch.Tensor, home_T: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The slot that serves each (token, k) pair by ``round_robin``: [T, K] (-1 for a
+        dropped pair). ``home_T``: each token's sending rank when the pairs of several ranks
+        are concatenated (each rank counts its own pairs; default: one rank)."""
+        T, K = topk_ids_TK.shape
+        dev = topk_ids_TK.device
+        ids_R = topk_ids_TK.flatten()
+        keep_R = ids_R >= 0
+        home_R = (torch.zeros(T, dtype=torch.long, device=dev) if home_T is None
+                  else home_T.to(dev)).repeat_interleave(K)
+        key_R = torch.where(keep_R, home_R * self.num_experts + ids_R.clamp_min(0), torch.full_like(ids_R, -1))
+        order_R = torch.argsort(key_R, stable=True)
+        sorted_key_R = key_R[order_R]
+        pos_R = torch.arange(ids_R.numel(), device=dev)
+        first_R = torch.searchsorted(sorted_key_R, sorted_key_R)       # first position of each key
+        index_R = torch.empty_like(pos_R)
+        index_R[order_R] = pos_R - first_R                              # i: the pair's index in its group
+        table_EC = self.copy_table_EC().to(dev)
+        copies_E = self.copies_E().to(dev)
+        e_R = ids_R.clamp_min(0)
+        slot_R = table_EC[e_R, index_R % copies_E[e_R]]
+        return torch.where(keep_R, slot_R, torch.full_like(slot_R, -1)).view(T, K)
+
+    def pair_local(self, topk_ids_TK: torch.Tensor, home_T: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device and local slot of the copy that serves each pair (:meth:`pair_slots`): two
+        [T, K] tensors (a dropped pair reads slot 0's; callers mask it)."""
+        slot_TK = self.pair_slots(topk_ids_TK, home_T).clamp_min(0)
+        return self.device_S.to(slot_TK.device)[slot_TK], self.local_slot_S().to(slot_TK.device)[slot_TK]
+
+    def pair_devices(self, topk_ids_TK: torch.Tensor, home_T: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Device of the copy that serves each pair: [T, K]."""
+        return self.pair_local(topk_ids_TK, home_T)[0]
+
+    def to(self, device) -> "SlotPlacement":
+        """The same placement with its tensors on ``device``."""
+        device = torch.device(device)
+        if self.expert_S.device == device:
+            return self
+        return SlotPlacement(self.expert_S.to(device), self.device_S.to(device), self.num_devices, self.num_experts)
+
+    def is_contiguous(self) -> bool:
+        """Whether this is the contiguous placement (one copy each, expert i in slot i)."""
+        return (self.num_slots == self.num_experts
+                and torch.equal(self.expert_S, torch.arange(self.num_slots, device=self.expert_S.device)))
+
+    @staticmethod
+    def from_phy2log(phy2log_S, num_devices: int, num_experts: int) -> "SlotPlacement":
+        """EPLB's ``phy2log`` row of one layer (slot -> logical expert; slot s on device
+        s // (S / P)), on the host."""
+        expert_S = torch.as_tensor(phy2log_S, dtype=torch.long, device="cpu").flatten()
+        S = expert_S.numel()
+        if num_devices < 1 or S % num_devices:
+            raise ValueError(f"slot placement: {S} physical slots do not split equally over {num_devices} devices")
+        device_S = torch.arange(S, device="cpu") // (S // num_devices)
+        return SlotPlacement(expert_S, device_S, num_devices, num_experts)
+
+    def groups(self) -> list[list[int]]:
+        """Each device's logical experts per local slot (copies repeated)."""
+        return [self.local_experts(p).tolist() for p in range(self.num_devices)]
+
+
+AnyPlacement = Union[Placement, SlotPlacement]

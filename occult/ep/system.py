@@ -66,6 +66,9 @@ class SystemConfig:
     expert_parallel: ClassVar[bool] = True
     # whether the system takes routing with dropped pairs (ids = occult.ep.router.NO_EXPERT)
     accepts_dropped_pairs: ClassVar[bool] = False
+    # whether the system runs on a slot placement (occult.ep.placement.SlotPlacement: copies of
+    # experts, each pair served by the copy its replica rule picks)
+    slot_placements: ClassVar[bool] = False
 
     def system_class(self) -> type:
         """The class that ``_target_`` names."""

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..ep import system_config
+from ..ep.replicas import sum_replica_gradients
 from .build import hf_config, init_model, load_checkpoint, to_expert_parallel
 from .ep_block import EPMoEBlock
 from .families import family_of, gate_rule
@@ -54,8 +55,12 @@ def expert_parameters(model: nn.Module) -> set:
 
 
 def sync_gradients(ctx, model: nn.Module) -> None:
-    """Averages replicated weights' gradients over ranks (one all-reduce) and scales the
+    """Sums each copied expert's gradient over its copies (a slot placement's, :mod:`occult.ep.replicas`),
+    averages replicated weights' gradients over ranks (one all-reduce) and scales the
     experts' by 1/P, so that the step is the step of the mean loss over all ranks."""
+    for block in model.modules():          # a replicated expert's gradient: the sum over its copies
+        if isinstance(block, EPMoEBlock):
+            sum_replica_gradients(block.experts, block.dispatcher.placement, ctx.ep)
     P = ctx.world_size
     if P == 1:
         return

@@ -1,7 +1,9 @@
 """Placement artifacts and weights in placement order.
 
 A placement artifact is one JSON file with each MoE layer's expert groups,
-device by device (format :data:`ARTIFACT_FORMAT`), and free-form ``meta``
+device by device (format :data:`ARTIFACT_FORMAT`), what built it (``built_by``: the
+harness's optimisers name themselves, ``impl: harness``; EPLB's slot artifacts are
+:mod:`occult.placement.eplb`'s), and free-form ``meta``
 (optimiser, load cap, C_T before and after, ...): what
 ``experiment=placement_study`` writes and ``system.placement_file`` reads.
 :func:`apply_placement_to_weights` permutes fused expert weights and router
@@ -27,10 +29,20 @@ from ..ep.placement import Placement
 ARTIFACT_FORMAT = "occult-placements/v1"
 
 
-def save_placements(path, placements: dict[int, Placement], meta: dict) -> None:
+def built_by_harness(meta: dict) -> dict:
+    """What built a placement of the harness's own optimisers: their names (``meta``'s
+    ``optimiser``, or each layer's), ``impl: harness``."""
+    names = {meta["optimiser"]} if "optimiser" in meta else {
+        v.get("optimiser") for v in (meta.get("layers") or {}).values() if isinstance(v, dict)} - {None}
+    return {"name": ", ".join(sorted(names)) or "unnamed", "impl": "harness"}
+
+
+def save_placements(path, placements: dict[int, Placement], meta: dict, built_by: Optional[dict] = None) -> None:
     """Writes ``{layer: Placement}`` and ``meta`` (JSON-serialisable: optimiser, load cap,
-    C_T before/after, ...) as one JSON file: each layer's groups, device by device."""
+    C_T before/after, ...) as one JSON file: each layer's groups, device by device, and
+    ``built_by`` (what built it: name and impl; default :func:`built_by_harness`)."""
     doc = {"format": ARTIFACT_FORMAT,
+           "built_by": built_by or built_by_harness(meta),
            "meta": meta,
            "layers": {str(int(layer)): pl.groups() for layer, pl in sorted(placements.items())}}
     try:

@@ -52,12 +52,28 @@ def parity_gate(ctx, cfg, system, routing: str, placement: Optional[Placement] =
         [row(f"parity_{k}", v, "ratio", rank=ctx.rank) for k, v in res["errors"].items()]
 
 
+def bandwidth_rows(ev, world_size: int, sample: int) -> list:
+    """An all-to-all's algorithm and bus bandwidth as nccl-tests defines them (GB/s, 1e9
+    bytes/s): S = the bytes this rank sends, its own block included (with uneven splits S is
+    this rank's own total), algbw = S / t, busbw = algbw x (n - 1) / n. None for another
+    collective or one without time."""
+    if ev.collective != "all_to_all" or ev.seconds <= 0:
+        return []
+    algbw = sum(ev.rows_P) * ev.row_bytes / ev.seconds / 1e9
+    common = dict(layer=ev.layer, rank=ev.src_rank, phase=ev.phase, direction=ev.direction, sample=sample)
+    return [row("algbw", algbw, "GB/s", **common),
+            row("busbw", algbw * (world_size - 1) / world_size, "GB/s", **common)]
+
+
 def timing_rows(rec: Recorder, sample: int) -> list:
-    """Spans and collective times of one timed iteration, in ms."""
+    """Spans and collective times of one timed iteration, in ms; each all-to-all's algbw and
+    busbw (:func:`bandwidth_rows`)."""
     rows = [row("time", s * 1e3, "ms", layer=layer, rank=rec.rank, phase=name, direction=direction,
                 sample=sample) for layer, name, direction, s in rec.spans]
     rows += [row("a2a_time", ev.seconds * 1e3, "ms", layer=ev.layer, rank=rec.rank, phase=ev.phase,
                  direction=ev.direction, sample=sample) for ev in rec.comm]
+    for ev in rec.comm:
+        rows += bandwidth_rows(ev, len(ev.rows_P), sample)
     if rec.sync_collectives:
         rows += [row("a2a_wait", ev.wait_seconds * 1e3, "ms", layer=ev.layer, rank=rec.rank,
                      phase=ev.phase, direction=ev.direction, sample=sample) for ev in rec.comm]
@@ -152,4 +168,41 @@ def routing_rows(ctx, rec: Recorder, placement) -> list:
             total = sum_over_ranks(ctx.ep, torch.tensor([n, ids.shape[0]], dtype=torch.long, device=ctx.device))
             if ctx.rank == 0:
                 out += rows_per_token_row(total[0].item(), total[1].item(), layer, phase, direction)
+        out += load_rows(ctx, rec.comm, ids, layer, pl.num_experts)
+    return out
+
+
+def received_rows_P(events, layer: int, world_size: int, phase: str = "dispatch",
+                    direction: str = "forward") -> torch.Tensor:
+    """Rows this rank sent to each rank in ``phase`` / ``direction`` of ``layer``, over its
+    collectives of that phase: [P] (long; summed over ranks it is what each rank received)."""
+    sent_P = torch.zeros(world_size, dtype=torch.long, device="cpu")
+    for ev in events:
+        if ev.layer == layer and ev.phase == phase and ev.direction == direction and len(ev.rows_P) == world_size:
+            sent_P += torch.tensor(ev.rows_P, dtype=torch.long, device="cpu")
+    return sent_P
+
+
+def load_rows(ctx, events, ids_TK: torch.Tensor, layer: int, num_experts: int) -> list:
+    """The load axis of one layer: rows each rank received in the dispatch (forward), from the
+    split sizes that went into the collectives (``recv_rows``, per rank; ``recv_max_over_mean``
+    over ranks, the field's MaxVio + 1; none for a system without a ``dispatch`` phase) and
+    every expert's load (``expert_load``: pairs routed to it over all ranks, column ``expert``).
+    A collective: every rank calls it."""
+    P = ctx.world_size
+    sent_P = received_rows_P(events, layer, P)
+    keep = ids_TK[ids_TK >= 0]
+    counts = torch.cat([sent_P, torch.bincount(keep, minlength=num_experts)[:num_experts],
+                        torch.tensor([int(sent_P.sum() > 0)], dtype=torch.long, device="cpu")])
+    total = sum_over_ranks(ctx.ep, counts.to(ctx.device)).cpu()
+    recv_P, load_E, dispatched = total[:P], total[P:P + num_experts], int(total[-1]) == P
+    out = []
+    if dispatched:
+        out.append(row("recv_rows", recv_P[ctx.rank].item(), "rows", layer=layer, rank=ctx.rank, phase="dispatch",
+                       direction="forward"))
+    if ctx.rank == 0:
+        if dispatched and recv_P.sum() > 0:
+            out.append(row("recv_max_over_mean", (recv_P.max() / recv_P.double().mean()).item(), "ratio",
+                           layer=layer, phase="dispatch", direction="forward"))
+        out += [row("expert_load", n, "pairs", layer=layer, expert=i) for i, n in enumerate(load_E.tolist())]
     return out

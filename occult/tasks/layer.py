@@ -12,6 +12,8 @@ Shapes: T tokens per rank, D hidden, F expert FFN, E experts, K top-k.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from omegaconf import OmegaConf
 
@@ -20,6 +22,7 @@ from ..ep.measure import barrier, clock, iterations
 from ..models.families import gate_rule
 from ..records import row
 from ..synthetic import expert_popularity, sample_topk
+from ..workloads import WORKLOADS, workload_topk
 from .common import comm_rows, parity_gate, routing_rows, timing_rows
 
 
@@ -40,14 +43,20 @@ def expert_weights(expert_ids, hidden: int, ffn: int, seed: int, dtype, device) 
     return GroupedExperts(stack(gates, (hidden, ffn)), stack(ups, (hidden, ffn)), stack(downs, (ffn, hidden)))
 
 
-def build_layer(ctx, cfg, system=None) -> MoELayer:
+def router_weight(cfg) -> torch.Tensor:
+    """The layer's seeded router weight [E, D] (on the host, float32)."""
+    m = cfg.model
+    g = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    return torch.randn(m.num_experts, m.hidden_size, generator=g, device="cpu") / m.hidden_size ** 0.5
+
+
+def build_layer(ctx, cfg, system=None, placement=None) -> MoELayer:
     """This rank's MoE layer of ``cfg.model`` (seeded weights, its own experts only) for
-    ``system`` (default ``cfg.system``)."""
+    ``system`` (default ``cfg.system``) on ``placement`` (default the system's)."""
     m = cfg.model
     dtype = getattr(torch, m.dtype)
-    dispatcher = system_config(cfg.system if system is None else system).build(ctx.ep, 0, m.num_experts)
-    g = torch.Generator(device="cpu").manual_seed(cfg.seed)
-    router_ED = torch.randn(m.num_experts, m.hidden_size, generator=g, device="cpu") / m.hidden_size ** 0.5
+    dispatcher = system_config(cfg.system if system is None else system).build(ctx.ep, 0, m.num_experts, placement)
+    router_ED = router_weight(cfg)
     router = TopKRouter(router_ED.to(device=ctx.device, dtype=dtype), m.top_k, rule=gate_rule(m))
     experts = expert_weights(dispatcher.local_expert_ids, m.hidden_size, m.expert_ffn_size, cfg.seed, dtype,
                              ctx.device)
@@ -63,10 +72,61 @@ def make_inputs(ctx, cfg):
     x_TD = torch.randn(t.tokens_per_rank, m.hidden_size, generator=g, device="cpu").to(**to)
     grad_TD = torch.randn(t.tokens_per_rank, m.hidden_size, generator=g, device="cpu").to(**to)
     ids_TK = None
-    if t.routing != "router":
+    if t.routing in WORKLOADS:
+        ids_TK = rank_workload(cfg, ctx.rank, ctx.world_size, cfg.seed).to(ctx.device)
+    elif t.routing != "router":
         ids_TK = sample_topk(t.tokens_per_rank, m.top_k,
                              expert_popularity(t.routing, m.num_experts, t.zipf_s), g).to(ctx.device)
     return x_TD, ids_TK, grad_TD
+
+
+def rank_workload(cfg, rank: int, world_size: int, seed: int) -> torch.Tensor:
+    """Rank ``rank``'s top-k ids [T, K] under a load workload (:mod:`occult.workloads`), on the host."""
+    m, t = cfg.model, cfg.task
+    return workload_topk(t.routing, rank, [t.tokens_per_rank] * world_size, m.top_k, m.num_experts, seed,
+                         t.max_over_mean, t.incast_device, t.incast_share, t.trace)
+
+
+def profiling_load(cfg, world_size: int) -> torch.Tensor:
+    """Pairs per expert [E] on a profiling set: every rank's routing of the run's workload
+    drawn from seed + 1 (a trace: the trace itself; router routing: the layer's router on
+    seeded tokens of seed + 1), computed alike in every process (no communication)."""
+    m, t = cfg.model, cfg.task
+    T, E = t.tokens_per_rank, m.num_experts
+    if t.routing in WORKLOADS:
+        ids_NK = torch.cat([rank_workload(cfg, r, world_size, cfg.seed + 1) for r in range(world_size)])
+    elif t.routing == "router":
+        g = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
+        x_ND = torch.randn(T * world_size, m.hidden_size, generator=g, device="cpu")
+        router = TopKRouter(router_weight(cfg), m.top_k, rule=gate_rule(m))
+        with torch.no_grad():
+            ids_NK = router.route(x_ND)[2]
+    else:
+        g = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
+        ids_NK = sample_topk(T * world_size, m.top_k, expert_popularity(t.routing, E, t.zipf_s), g)
+    return torch.bincount(ids_NK.flatten(), minlength=E).double()
+
+
+def task_placement(ctx, cfg):
+    """The layer's placement from ``task.placement`` (None: the system's own): EPLB's slots
+    from :func:`profiling_load` (rank 0 writes the artifact to the run folder), or a slot
+    artifact's first layer."""
+    t = cfg.task
+    if t.placement == "contiguous":
+        return None
+    from ..placement.eplb import (built_by_eplb, eplb_placements, load_slot_placements,
+                                  save_slot_placements)
+    if t.placement != "eplb":
+        placements, _ = load_slot_placements(t.placement)
+        return placements[min(placements)]
+    load_E = profiling_load(cfg, ctx.world_size)
+    placements = eplb_placements({0: load_E}, t.num_redundant, ctx.world_size, ctx.ep.devices_per_node)
+    if ctx.rank == 0:
+        save_slot_placements(Path(cfg.get("out_dir_resolved") or ".") / "placement_eplb.json", placements,
+                             built_by_eplb(), {"profiling": f"task.routing={t.routing}, seed {cfg.seed + 1}, "
+                                               f"{t.tokens_per_rank} tokens per rank",
+                                               "load_E": load_E.tolist(), "num_redundant": t.num_redundant})
+    return placements[0]
 
 
 def run_rank(ctx, cfg_dict: dict) -> list:
@@ -74,7 +134,7 @@ def run_rank(ctx, cfg_dict: dict) -> list:
     cfg = OmegaConf.create(cfg_dict)
     t = cfg.task
     rows = []
-    layer = build_layer(ctx, cfg)
+    layer = build_layer(ctx, cfg, placement=task_placement(ctx, cfg))
     placement = layer.dispatcher.placement
     if t.check_parity:
         rows += parity_gate(ctx, cfg, cfg.system, t.routing, placement)

@@ -10,6 +10,7 @@ Shapes: B sequences per rank, S sequence length, V vocabulary, N new tokens.
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -49,10 +50,43 @@ def setup(ctx, cfg):
     tok = get_tokenizer(cfg.pretrain.tokenizer_vocab, corpus=cfg.pretrain.corpus)
     vocab = cfg.model.vocab_size or tok.vocab_size
     rows = []
+    full = base_model(cfg, vocab, cfg.get("checkpoint"), device=ctx.device)
+    placements = task_placements(ctx, cfg, full, tok)
     if cfg.task.check_parity and system_config(cfg.system).expert_parallel:
-        rows += parity_gate(ctx, cfg, cfg.system, "router")
-    model = make_rank_model(ctx, base_model(cfg, vocab, cfg.get("checkpoint"), device=ctx.device), cfg)
+        first = min(placements) if placements else None
+        rows += parity_gate(ctx, cfg, cfg.system, "router", placements.get(first))
+    model = make_rank_model(ctx, full, cfg, placements or None)
     return model.eval(), tok, rows
+
+
+def task_placements(ctx, cfg, model, tok) -> dict:
+    """``{layer: SlotPlacement}`` from ``task.placement`` ({} for the system's own): EPLB's,
+    from the expert loads of the single-device ``model``'s routers on a profiling set (random
+    windows of the train split, seed + 1, four times a step's tokens over all ranks; every rank
+    computes the same), the artifact written by rank 0 to the run folder; or an artifact's."""
+    t = getattr(cfg.task, "placement", "contiguous")
+    if t == "contiguous":
+        return {}
+    from ..placement.eplb import built_by_eplb, eplb_placements, load_slot_placements, save_slot_placements
+    if t != "eplb":
+        return load_slot_placements(t)[0]
+    from ..models.families import family_of
+    from .profiling import route_text
+
+    n = 4 * cfg.task.batch_size * cfg.task.seq_len * ctx.world_size
+    on_host = model if next(model.parameters()).device.type == "cpu" else copy.deepcopy(model).to("cpu")
+    routed = route_text(on_host, family_of(cfg.model.family), token_ids(cfg.task.corpus, "train", tok), n,
+                        cfg.task.seq_len, cfg.seed + 1)
+    E = cfg.model.num_experts
+    loads = {layer: torch.bincount(ids_NK.flatten(), minlength=E).double() for layer, (ids_NK, _, _) in routed.items()}
+    placements = eplb_placements(loads, cfg.task.num_redundant, ctx.world_size, ctx.ep.devices_per_node)
+    if ctx.rank == 0:
+        save_slot_placements(Path(cfg.get("out_dir_resolved") or ".") / "placement_eplb.json", placements,
+                             built_by_eplb(), {"profiling": f"the model's routers on {n} tokens of the train split "
+                                               f"of {cfg.task.corpus}, seed {cfg.seed + 1}",
+                                               "load_LE": {str(k): v.tolist() for k, v in loads.items()},
+                                               "num_redundant": cfg.task.num_redundant})
+    return placements
 
 
 def rank_batch(ctx, cfg, tok, batch_size: int, seq_len: int, index: int = 0) -> torch.Tensor:

@@ -24,6 +24,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from ..errors import ConfigError
 from ..synthetic import ROUTINGS
+from ..workloads import MAX_OVER_MEAN_CAP
 
 WORKLOAD_NAMES = ("prefill", "decode", "train")
 
@@ -115,11 +116,16 @@ class Exchanges(TaskConf):
 
 @dataclass
 class LayerInputs(TaskConf):
-    """One MoE layer's inputs: seeded tokens and synthetic (or router) routing."""
+    """One MoE layer's inputs: seeded tokens and synthetic (or router) routing; the load
+    workloads (``imbalance``, ``incast``, ``trace``: :mod:`occult.workloads`)."""
 
     tokens_per_rank: int = 512          # T
-    routing: str = "uniform"            # router | uniform | zipf
+    routing: str = "uniform"            # router | uniform | zipf | imbalance | incast | trace
     zipf_s: float = 1.2                 # skew of routing=zipf
+    max_over_mean: float = 2.0          # routing=imbalance: dispatch received rows max / mean (contiguous)
+    incast_device: int = 0              # routing=incast: the device whose experts draw ...
+    incast_share: float = 0.5           # ... this share of every token's choices
+    trace: Optional[str] = None         # routing=trace: a routing.parquet, or a run folder holding one
 
     def check(self) -> None:
         super().check()
@@ -128,12 +134,87 @@ class LayerInputs(TaskConf):
         if self.zipf_s < 0:
             raise ConfigError(f"task.zipf_s={self.zipf_s}: must be >= 0 (0 is uniform routing; larger is more skewed)")
         _at_least("tokens_per_rank", self.tokens_per_rank, 0)
+        if self.max_over_mean < 1.0:
+            raise ConfigError(f"task.max_over_mean={self.max_over_mean}: allowed values are 1.0 to "
+                              f"{MAX_OVER_MEAN_CAP:g} (received rows max / mean over ranks; 1 is balanced)")
 
     def unread(self) -> Dict[str, str]:
         out = super().unread()
-        if self.routing != "zipf":
-            out["zipf_s"] = "read only with task.routing=zipf"
+        for name, routing in (("zipf_s", "zipf"), ("max_over_mean", "imbalance"), ("incast_device", "incast"),
+                              ("incast_share", "incast"), ("trace", "trace")):
+            if self.routing != routing:
+                out[name] = f"read only with task.routing={routing}"
         return out
+
+    def check_run(self, cfg) -> None:
+        super().check_run(cfg)
+        from ..workloads import incast_error, max_over_mean_error, trace_error
+
+        E, K, P = cfg.model.num_experts, cfg.model.top_k, cfg.cluster.world_size
+        err = ""
+        if self.routing == "imbalance":
+            err = max_over_mean_error(self.max_over_mean, E, K, P)
+        elif self.routing == "incast":
+            err = incast_error(self.incast_device, self.incast_share, E, K, P)
+        elif self.routing == "trace":
+            err = trace_error(self.trace, E, K, self.tokens_per_rank, P)
+        if err:
+            raise ConfigError(err)
+
+
+PLACEMENTS = ("contiguous", "eplb")
+
+
+@dataclass
+class Placed(TaskConf):
+    """Where the experts sit: ``placement``: ``contiguous`` (the system's own placement),
+    ``eplb`` (physical slots built by DeepSeek's EPLB from the loads of a profiling set, with
+    ``num_redundant`` extra slots: :mod:`occult.placement.eplb`; the artifact is written to the
+    run folder as ``placement_eplb.json``), or the path of a slot placement artifact. Systems
+    whose config says ``slot_placements`` run on slots (``naive``)."""
+
+    placement: str = "contiguous"
+    num_redundant: int = 0
+
+    def check(self) -> None:
+        super().check()
+        if self.placement not in PLACEMENTS and not self.placement.endswith(".json"):
+            raise ConfigError(f"task.placement={self.placement!r}: allowed values are {list(PLACEMENTS)} or the "
+                              "path of a slot placement artifact (.json)")
+        if self.num_redundant < 0:
+            raise ConfigError(f"task.num_redundant={self.num_redundant}: must be >= 0 (extra physical slots)")
+
+    def unread(self) -> Dict[str, str]:
+        out = super().unread()
+        if self.placement != "eplb":
+            out["num_redundant"] = "read only with task.placement=eplb"
+        return out
+
+    def check_run(self, cfg) -> None:
+        super().check_run(cfg)
+        if self.placement == "contiguous":
+            return
+        from ..ep import system_config
+        from ..placement.eplb import load_slot_placements, num_redundant_error
+
+        config = system_config(cfg.system) if self.uses_system else None
+        if config is None or not config.slot_placements:
+            name = config.name if config is not None else f"task={self.name}"
+            raise ConfigError(f"task.placement={self.placement!r}: system {name} does not run on physical slots "
+                              "(systems that do: naive)")
+        E, P = cfg.model.num_experts, cfg.cluster.world_size
+        if self.placement == "eplb":
+            err = num_redundant_error(self.num_redundant, E, P)
+            if err:
+                raise ConfigError(err)
+            return
+        try:
+            placements, doc = load_slot_placements(self.placement)
+        except ValueError as exc:
+            raise ConfigError(f"task.placement={self.placement!r}: {exc}") from exc
+        if (doc["num_experts"], doc["num_devices"]) != (E, P):
+            raise ConfigError(f"task.placement={self.placement!r} places {doc['num_experts']} experts on "
+                              f"{doc['num_devices']} devices; the run has {E} on {P}")
 
 
 @dataclass
@@ -163,7 +244,7 @@ class HeldOut(TaskConf):
 
 
 @dataclass
-class LayerTask(Timed, Gated, Exchanges, LayerInputs):
+class LayerTask(Timed, Gated, Exchanges, Placed, LayerInputs):
     """task=layer: one MoE layer, timed per phase (:mod:`occult.tasks.layer`)."""
 
     backward: bool = True
@@ -188,7 +269,7 @@ class BenchTask(Timed, Gated, Exchanges, LayerInputs):
 
 
 @dataclass
-class PrefillTask(Timed, Gated, Exchanges, Text, HeldOut):
+class PrefillTask(Timed, Gated, Exchanges, Placed, Text, HeldOut):
     """task=prefill: one forward over the prompts (:mod:`occult.tasks.model`)."""
 
     save_routing: bool = False          # write routing.parquet (+ router logits)
@@ -212,7 +293,7 @@ class DecodeTask(PrefillTask):
 
 
 @dataclass
-class TrainTask(Timed, Gated, Exchanges, Text):
+class TrainTask(Timed, Gated, Exchanges, Placed, Text):
     """task=train: forward, backward, gradient sync and an AdamW step on training batches
     of ``corpus`` (its train split)."""
 

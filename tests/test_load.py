@@ -1,0 +1,151 @@
+"""The load axis: slot placements (EPLB's layout) and their round_robin copies, EPLB (the
+real library) and its artifacts, the load workloads (imbalance tuned to a target, incast,
+trace replay), and their one-line refusals at validation. Multi-rank checks live in the
+worlds of tests/test_parity.py (naive on EPLB's slots; the imbalance target at P = 4) and
+tests/test_models.py (train's copied-expert gradients); nothing here starts ranks."""
+import pandas as pd
+import pytest
+import torch
+
+from occult.ep import system_config
+from occult.ep.comm import EPGroup
+from occult.ep.placement import Placement, SlotPlacement
+from occult.ep.plan import RowShape, plan_world
+from occult.errors import ConfigError
+from occult.validate import validate
+from occult.workloads import (imbalance_routing, incast_topk, largest_max_over_mean, received_max_over_mean,
+                              trace_sha256, workload_generator, workload_topk)
+
+from systems import exact_systems
+from test_task_options import cfg_with
+
+
+def slots(expert_S, device_S, P, E):
+    return SlotPlacement(torch.tensor(expert_S), torch.tensor(device_S), P, E)
+
+
+def test_a_slot_placement_holds_copies_and_refuses_what_it_cannot_be():
+    pl = slots([0, 1, 0, 2, 3, 0], [0, 0, 0, 1, 1, 1], 2, 4)     # expert 0: twice on device 0, once on 1
+    assert pl.copies_E().tolist() == [3, 1, 1, 1] and pl.num_local == 3
+    assert pl.local_experts(0).tolist() == [0, 1, 0] and pl.local_experts(1).tolist() == [2, 3, 0]
+    for bad, why in [(([0, 1, 2], [0, 0, 1], 2, 3), "do not split equally"),
+                     (([0, 1, 2, 3], [0, 0, 0, 1], 2, 4), "must hold 2 slots each"),
+                     (([0, 1, 0, 1], [0, 0, 1, 1], 2, 3), r"experts \[2\] have no slot")]:
+        with pytest.raises(ValueError, match=why):
+            slots(*bad)
+
+
+def test_round_robin_sends_pair_i_of_an_expert_to_copy_i_mod_copies():
+    pl = slots([0, 1, 0, 2, 3, 0], [0, 0, 0, 1, 1, 1], 2, 4)     # expert 0's copies: slots 0, 2, 5
+    ids_TK = torch.tensor([[0, 1], [2, 0], [0, 3], [0, -1]])
+    assert pl.pair_slots(ids_TK).tolist() == [[0, 1], [3, 2], [5, 4], [0, -1]]
+    device_TK, local_TK = pl.pair_local(ids_TK)
+    assert device_TK[:, 0].tolist() == [0, 1, 1, 0] and local_TK[2].tolist() == [2, 1]
+    # several ranks' pairs concatenated: each rank counts its own (home_T), as it does alone
+    both = torch.cat([ids_TK, ids_TK])
+    home_T = torch.tensor([0] * 4 + [1] * 4)
+    assert torch.equal(pl.pair_slots(both, home_T), torch.cat([pl.pair_slots(ids_TK)] * 2))
+    # one copy each: the contiguous placement's devices and slots
+    flat = SlotPlacement.from_phy2log(torch.arange(4), 2, 4)
+    assert torch.equal(flat.pair_local(ids_TK.clamp_min(0))[0], Placement.contiguous(4, 2).pair_local(ids_TK)[0])
+
+
+def test_eplb_the_library_builds_slots_and_its_artifact_names_it(tmp_path):
+    pytest.importorskip("eplb")
+    from occult.placement.eplb import eplb_placements, load_slot_placements, num_redundant_error, save_slot_placements
+    from occult.placement.eplb import built_by_eplb
+    load_E = torch.tensor([400.0] + [10.0] * 15)
+    pl = eplb_placements({3: load_E}, 4, 4)[3]                  # E/4 redundant on 4 GPUs: 5 slots each
+    assert pl.num_slots == 20 and pl.copies_E()[0] == 5 and int(pl.copies_E().sum()) == 20
+    path = save_slot_placements(tmp_path / "p.json", {3: pl}, built_by_eplb(), {"load_E": load_E.tolist()})
+    back, doc = load_slot_placements(path)
+    assert torch.equal(back[3].expert_S, pl.expert_S) and torch.equal(back[3].device_S, pl.device_S)
+    assert doc["built_by"]["name"] == "eplb" and doc["built_by"]["impl"] == "library"
+    assert "d52c72d" in doc["built_by"]["source"]
+    (tmp_path / "bad.json").write_text('{"format": "occult-placements/v1"}')
+    with pytest.raises(ValueError, match="format must be 'occult-slots/v1'"):
+        load_slot_placements(tmp_path / "bad.json")
+    assert num_redundant_error(8, 64, 4) == "" and "divisible by the 4 GPUs" in num_redundant_error(2, 64, 4)
+
+
+@pytest.mark.parametrize("P", [4, 8])
+def test_imbalance_reaches_its_target_on_naive_at_P4_and_P8(P):
+    """max / mean 2.0 within 2 %, read from naive's dispatch rows: its plan for every rank of
+    the world (the functions its dispatch sizes the collective with; tests/test_parity.py holds
+    plan and logged rows equal, and the P = 4 world checks the rows its ranks really sent)."""
+    E, K, T = 64, 8, 512
+    ids, _, got = imbalance_routing([T] * P, K, E, 2.0, seed=0)
+    assert got == pytest.approx(2.0, rel=0.02)
+    assert all(len(set(r)) == K for r in torch.cat(ids).tolist())           # without replacement
+    ep = EPGroup(0, P, None, "cpu", 0)
+    naive = system_config(exact_systems()["naive"]).build(ep, 0, E)
+    world = plan_world(naive, [(i, torch.full(i.shape, 1.0 / K)) for i in ids], RowShape(16, 8, torch.float64))
+    recv_P = next(c for c in world if c.phase == "dispatch" and c.direction == "forward").rows_PP.sum(0).double()
+    assert float(recv_P.max() / recv_P.mean()) == pytest.approx(2.0, rel=0.02)
+    assert float(recv_P.max() / recv_P.mean()) == pytest.approx(received_max_over_mean(torch.cat(ids), E, P))
+
+
+def test_incast_and_trace_workloads(tmp_path):
+    E, K, P = 64, 8, 4
+    ids = incast_topk(4000, K, E, P, 2, 0.6, workload_generator(0, 0))
+    on_2 = (ids // (E // P) == 2).float().mean().item()
+    assert on_2 == pytest.approx(0.6, abs=0.01) and all(len(set(r)) == K for r in ids.tolist())
+    # a trace: rank r replays tokens [r T, (r + 1) T) of the trace's first layer
+    trace = pd.DataFrame([{"layer": 1, "rank": t // 6, "token": t % 6, "slot": k, "expert": (t + 3 * k) % E,
+                           "weight": 0.5} for t in range(12) for k in range(K)])
+    trace.to_parquet(tmp_path / "routing.parquet")
+    got = workload_topk("trace", 1, [6, 6], K, E, 0, trace=str(tmp_path))
+    assert got[0].tolist() == [(6 + 3 * k) % E for k in range(K)] and len(trace_sha256(tmp_path)) == 64
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["task=layer", "task.placement=eplb", "task.num_redundant=-1"], "task.num_redundant=-1: must be >= 0"),
+    (["task=layer", "task.placement=eplb", "task.num_redundant=3", "model=olmoe_layer", "cluster=cpu4"],
+     "task.num_redundant=3: EPLB needs the physical count E + num_redundant = 67 divisible by the 4 GPUs"),
+    (["task=layer", "task.num_redundant=8"], "task.num_redundant=8: task=layer does not read it here"),
+    (["task=layer", "task.placement=eplb", "system=occult"], "task.placement='eplb': system occult does not run "
+                                                              "on physical slots"),
+    (["task=layer", "task.routing=imbalance", "task.max_over_mean=0.5"], "task.max_over_mean=0.5: allowed values are"),
+    (["task=layer", "task.routing=imbalance", "task.max_over_mean=3.9", "model=olmoe_layer", "cluster=cpu2"],
+     "task.max_over_mean=3.9: allowed values are 1.0 to 2 here (the largest reachable with E=64, K=8, P=2"),
+    (["task=layer", "task.routing=incast", "task.incast_share=1.5"], "task.incast_share=1.5: allowed values are"),
+    (["task=layer", "task.routing=trace"], "task.trace is not set"),
+])
+def test_bad_load_options_are_one_line_at_validation(overrides, line):
+    with pytest.raises(ConfigError) as err:
+        validate(cfg_with(*overrides))
+    assert str(err.value).startswith(line) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_trace_of_another_shape_is_refused_in_one_line(tmp_path):
+    pd.DataFrame([{"layer": 0, "rank": 0, "token": t, "slot": k, "expert": k, "weight": 0.5}
+                  for t in range(4) for k in range(2)]).to_parquet(tmp_path / "routing.parquet")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg_with("task=layer", "model=olmoe_layer", "task.routing=trace", f"task.trace={tmp_path}"))
+    assert "does not match the run" in str(err.value) and "\n" not in str(err.value)
+    assert largest_max_over_mean(64, 8, 4) == 4.0 and largest_max_over_mean(8, 4, 4) == 2.0
+
+
+def test_the_layer_tasks_eplb_placement_is_built_from_a_profiling_draw_and_written(tmp_path):
+    """task.placement=eplb on task=layer: EPLB's slots from the workload drawn again at seed + 1,
+    the artifact written by rank 0 into the run folder; under them the run's own imbalance
+    routing (max / mean 2.0 on the contiguous placement) reaches its devices more evenly."""
+    pytest.importorskip("eplb")
+    import json
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from occult.tasks.layer import rank_workload, task_placement
+    cfg = cfg_with("task=layer", "model=olmoe_layer", "cluster=cpu4", "task.routing=imbalance",
+                   "task.placement=eplb", "task.num_redundant=8")
+    cfg = OmegaConf.create({**OmegaConf.to_container(cfg, resolve=True), "out_dir_resolved": str(tmp_path)})
+    ctx = SimpleNamespace(rank=0, world_size=4, ep=EPGroup(0, 4, None, "cpu", 0), device="cpu")
+    pl = task_placement(ctx, cfg)
+    doc = json.loads((tmp_path / "placement_eplb.json").read_text())
+    assert doc["built_by"]["name"] == "eplb" and doc["num_slots"] == pl.num_slots == 72
+    ids = [rank_workload(cfg, r, 4, cfg.seed) for r in range(4)]
+    home_T = torch.cat([torch.full((i.shape[0],), r) for r, i in enumerate(ids)])
+    on_eplb = torch.bincount(pl.pair_devices(torch.cat(ids), home_T).flatten(), minlength=4).double()
+    assert received_max_over_mean(torch.cat(ids), 64, 4) == pytest.approx(2.0, rel=0.02)
+    assert float(on_eplb.max() / on_eplb.mean()) < 1.2
