@@ -27,6 +27,7 @@ layers and caches are the same for every strategy and not counted. Shapes: P ran
 """
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -131,35 +132,36 @@ def point_overrides(strategy: str, place_dir: Path) -> list:
     return [f"system={strategy}"]
 
 
+def run_point(overrides: list, folder: Path) -> None:
+    """One ``python run.py`` point into ``folder`` (the harness's entry point, in its own
+    process: the advisor reads result tables and starts no ranks itself); a failure is a
+    one-line ``ValueError`` with the run's last line."""
+    proc = subprocess.run([sys.executable, "run.py", *overrides, f"hydra.run.dir={folder}", "report=none"], cwd=ROOT,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise ValueError(f"python run.py {' '.join(overrides)}: {last}")
+
+
 def simulate(req: Request, out: Path) -> pd.DataFrame:
-    """Runs the place and simulate points (in this process, resuming any already written) and
+    """Runs the place and simulate points (resuming any already written into ``out``) and
     returns their rows."""
-    from hydra import compose, initialize_config_dir
-
-    from occult.config import register
-    from occult.runner import run
-
     model = read_conf("model", req.model)
     P = world_size_of(req, int(model.num_experts))
     link = load_profile(req.profile).at(P)
     node = link.devices_per_node if link.devices_per_node and link.devices_per_node < P else 0
     base = [f"model={req.model}", f"cluster.world_size={P}", f"cluster.devices_per_node={node}",
-            f"task.sample_layers={req.sample_layers}", f"task.tokens_per_rank={req.tokens_per_rank}",
-            "experiment_name=advise", "resume=true", *routing_overrides(req, model)]
-    register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        if "occult_placed" in req.systems:
-            place = [o for o in base if not o.startswith("task.tokens_per_rank")]
-            cfg = compose("config", overrides=["task=place", *place, f"task.total_tokens={PROFILE_TOKENS // P * P}",
-                                               f"task.time_limit_s={PLACE_TIME_LIMIT_S}"])
-            run(cfg, out / "place")
-        for s in req.systems:
-            t0 = time.perf_counter()
-            cfg = compose("config", overrides=["task=simulate", *base, *point_overrides(s, out / "place"),
-                                               f"task.backward={'true' if req.phase == 'train' else 'false'}",
-                                               "task.peer_rows=false", f"label={req.phase}"])
-            run(cfg, out / s)
-            print(f"  simulated {s} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+            f"task.sample_layers={req.sample_layers}", "experiment_name=advise", "resume=true",
+            *routing_overrides(req, model)]
+    if "occult_placed" in req.systems:
+        run_point(["task=place", *base, f"task.total_tokens={PROFILE_TOKENS // P * P}",
+                   f"task.time_limit_s={PLACE_TIME_LIMIT_S}"], out / "place")
+    for s in req.systems:
+        t0 = time.perf_counter()
+        run_point(["task=simulate", *base, f"task.tokens_per_rank={req.tokens_per_rank}",
+                   *point_overrides(s, out / "place"), f"task.backward={'true' if req.phase == 'train' else 'false'}",
+                   "task.peer_rows=false", f"label={req.phase}"], out / s)
+        print(f"  simulated {s} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return load_runs([out / s for s in req.systems])
 
 

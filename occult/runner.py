@@ -147,6 +147,10 @@ def run(cfg: DictConfig, out_dir, overrides: tuple = ()) -> Path | None:
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     cfg_dict["out_dir_resolved"] = str(out_dir)
     cfg_dict["run_digest"] = digest          # a task that tags rows with run ids of its own builds on it
+    if cfg_dict["task"].get("routers"):      # task=simulate / place routed by another model's routers
+        from .config import read_conf
+        cfg_dict["routers_model"] = OmegaConf.to_container(read_conf("model", cfg_dict["task"]["routers"]),
+                                                           resolve=True)
     if task.prepare:         # e.g. pre-training a missing proxy: once, on rank 0
         cfg_dict = import_object(task.prepare)(cfg_dict) if leader else None
         if world is not None:

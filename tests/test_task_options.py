@@ -24,7 +24,9 @@ EVERY_FIELD = ["tokens_per_rank", "routing", "zipf_s", "warmup", "iters", "backw
                "optimisers", "load_caps", "swap_time_limit_s",     # the placement study's knobs, once constants
                "trace", "source_tokens", "peer_rows",              # task=simulate's routing source and rows
                "max_over_mean", "incast_device", "incast_share",    # the load workloads (issue 26)
-               "placement", "num_redundant"]                        # EPLB's slot placements
+               "placement", "num_redundant",                        # EPLB's slot placements
+               "total_tokens", "routers", "sample_layers", "synthetic_tokens",   # the scale study's worlds
+               "optimiser", "load_cap", "time_limit_s"]             # task=place
 
 
 def cfg_with(*overrides):

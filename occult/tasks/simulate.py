@@ -140,8 +140,7 @@ def check_world(task, cfg) -> None:
     model whose routers can route this one (one line each, :class:`ConfigError`)."""
     P = cfg.cluster.world_size
     if task.routing == "router" and task.routers:
-        from ..config import read_conf
-        r, m = read_conf("model", task.routers), cfg.model
+        r, m = _model_yaml(task.routers), cfg.model
         if not r.family:
             raise ConfigError(f"task.routers={task.routers}: a layer-only config has no routers; give a whole model "
                               "(a trained proxy)")
@@ -191,12 +190,30 @@ def prepare(cfg_dict: dict) -> dict:
 
 def routers_config(cfg_dict: dict) -> dict:
     """The run's config with ``model`` replaced by the model whose routers route
-    (``task.routers``; the run's own model when unset)."""
+    (``task.routers``, its config resolved by the runner into ``routers_model``; the run's
+    own model when unset)."""
     routers = cfg_dict["task"].get("routers")
     if not routers:
         return cfg_dict
-    from ..config import read_conf
-    return {**cfg_dict, "model": OmegaConf.to_container(read_conf("model", routers), resolve=True)}
+    if not cfg_dict.get("routers_model"):
+        raise ValueError(f"task.routers={routers}: its model config was not resolved (occult.runner.run does)")
+    return {**cfg_dict, "model": cfg_dict["routers_model"]}
+
+
+def _model_yaml(name: str):
+    """The fields of ``conf/model/<name>.yaml`` that validation reads (family, E, K, layers),
+    as written, with the schema's defaults for the layers (a one-line error for a missing one)."""
+    import yaml
+
+    from .. import CONF_DIR
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+        raise ConfigError(f"task.routers={name}: no such model config; available: {', '.join(names)}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    return OmegaConf.create({"name": name, "family": raw.get("family"), "num_experts": raw.get("num_experts"),
+                             "top_k": raw.get("top_k"), "num_layers": raw.get("num_layers", 1),
+                             "first_k_dense": raw.get("first_k_dense", 0)})
 
 
 # ---------------------------------------------------------------------------
