@@ -76,6 +76,7 @@ def simulated_traffic(run_dir: Path, backward: bool) -> dict:
     return logged_traffic(pd.DataFrame(rows))
 
 
+@pytest.mark.slow          # 47 s; the proxies' routers and EP layers are checked by test_models in the default run
 @pytest.mark.timeout(600)
 def test_todays_proxies_run_prefill_parity_checked_with_their_own_routers(tmp_path):
     """The DeepSeek-V3, Qwen3-MoE and Mixtral proxies run prefill with naive and occult at
