@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -137,6 +137,7 @@ class MegaBlocksDispatcher(NaiveDispatcher):
 
     @dataclass
     class Config(NaiveDispatcher.Config):
+        no_static: ClassVar[str] = "MegaBlocks' block-padded grouped compute is sized by counts read on the host"
         # > 0: pad each local expert's rows to a multiple (block-sparse path; MegaBlocks uses 128)
         block_size: int = 0
         # the megablocks library: auto (where it imports and EP=1) | on | off (the harness scheme)

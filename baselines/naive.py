@@ -17,6 +17,7 @@ import torch
 from occult.ep import Exchange, Recorder, SplitDispatcher, all_to_all_rows, exchange_counts
 from occult.ep.payload import wire_row_bytes
 from occult.ep.plan import Planned, RowShape, metadata_sends, returned, sends
+from occult.ep.static import StaticConfig, StaticPairs
 from occult.ep.system import PayloadConfig
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination,
                                weighted_scatter_add)
@@ -50,15 +51,17 @@ class NaiveHandle:
     recorder: Optional[Recorder]
 
 
-class NaiveDispatcher(SplitDispatcher):
+class NaiveDispatcher(StaticPairs, SplitDispatcher):
     """Naive EP; ``payload``: how the rows cross (fp32: as they are; bf16, int8, fp8:
     compressed, see :mod:`occult.ep.payload`). Runs on a slot placement too (EPLB's: each pair
-    to the copy that ``round_robin`` picks, :class:`occult.ep.placement.SlotPlacement`)."""
+    to the copy that ``round_robin`` picks, :class:`occult.ep.placement.SlotPlacement`).
+    ``dispatch_mode=static``: fixed buffers of min(K, e) x ``max_tokens_per_rank`` slots per
+    destination, no counts exchange, no host read (:mod:`occult.ep.static`)."""
 
     impl = "harness"
 
     @dataclass
-    class Config(PayloadConfig):
+    class Config(StaticConfig, PayloadConfig):
         accepts_dropped_pairs: ClassVar[bool] = True
         slot_placements: ClassVar[bool] = True     # pairs sorted to the copy round_robin picks
 
@@ -77,6 +80,8 @@ class NaiveDispatcher(SplitDispatcher):
         return gather_rows(x_recv_RD, perm_R), recv_Pe.sum(0), handle
 
     def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
+        if self.config.is_static():
+            return self.static_plan(topk_ids_TK, rank=rank, shape=shape)
         _, send_Pe = sort_pairs_by_destination(topk_ids_TK, self.placement)
         return pair_exchange_plan(send_Pe, rank, shape, self.config.payload_of("dispatch"),
                                   self.config.payload_of("combine"))

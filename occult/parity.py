@@ -152,7 +152,9 @@ def check_layer(ctx, system, case: LayerCase, placement: Optional[Placement] = N
     hi = lo + case.tokens[rank]
     ref = reference if reference is not None else reference_of(prob, case)
 
-    dispatcher = system_config(system).build(ctx.ep, 0, case.num_experts, placement)
+    # a system with fixed buffers: sized for this problem's largest rank
+    dispatcher = system_config(system).sized(max(case.tokens), force=True).build(ctx.ep, 0, case.num_experts,
+                                                                                  placement)
     layer = MoELayer.from_global(prob.router_ED, prob.experts, case.top_k, dispatcher, rule=case.gate_rule,
                                  bias_E=prob.bias_E)
     x = prob.x_TD[lo:hi].clone().requires_grad_(True)
@@ -237,7 +239,7 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     ids = ids_all[rank * batch_per_rank:(rank + 1) * batch_per_rank]
 
     ref = base_model(cfg, vocab_size, device=ctx.device)
-    model = make_rank_model(ctx, copy.deepcopy(ref), cfg, placements)
+    model = make_rank_model(ctx, copy.deepcopy(ref), cfg, placements, tokens_per_rank=batch_per_rank * seq_len)
     ref_out = ref(input_ids=ids_all, labels=ids_all)
     ref_out.loss.backward()
     rec = Recorder(rank=rank)

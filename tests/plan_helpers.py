@@ -25,7 +25,8 @@ def simulated_traffic(system, case, routing: list, world_size: int, devices_per_
     ep = EPGroup(0, world_size, None, "cpu", devices_per_node)        # a world that is not started
     placement = (groups if hasattr(groups, "pair_local") else Placement.from_groups(groups) if groups
                  else Placement.contiguous(case.num_experts, world_size))     # groups, or a (slot) placement
-    dispatcher = typed(system).build(ep, 0, case.num_experts, placement)
+    # sized as the parity check sizes a system with fixed buffers (check_layer)
+    dispatcher = typed(system).sized(max(case.tokens), force=True).build(ep, 0, case.num_experts, placement)
     world = plan_world(dispatcher, routing, RowShape(case.hidden, case.ffn, getattr(torch, case.dtype)))
     return [traffic_of(rank_events(world, rank, 0)) for rank in range(world_size)]
 

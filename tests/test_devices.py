@@ -24,6 +24,7 @@ from occult.placement import save_placements
 from occult.tasks.options import task_config
 from occult.ep import Placement
 
+from static_helpers import STATIC_PROXIES, check_static_decode
 from systems import system, system_configs
 
 TINY = ["model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16", "model.num_layers=2"]
@@ -59,6 +60,11 @@ def every_job(tmp_path: Path) -> list:
         composed = {task: compose("config", overrides=[f"task={task}", f"model={MODELS.get(task, 'olmoe_proxy')}",
                                                          f"cluster=cpu{P}", *TINY, *tiny_task])
                     for task, tiny_task in TASKS.items()}
+        # the decode task's steps in fixed buffers on every proxy (system.dispatch_mode=static; its
+        # exactness is the parity suite's): static_helpers.check_static_decode reads the rows
+        static_decode = {model: compose("config", overrides=["task=decode", f"model={model}", f"cluster=cpu{P}", *TINY,
+                                                               *TASKS["decode"], "task.check_parity=false"])
+                         for model in STATIC_PROXIES}
         bf16 = {task: compose("config", overrides=[f"task={task}", "model=olmoe_proxy", f"cluster=cpu{P}", *TINY,
                                                      *TASKS[task], "model.dtype=bfloat16"])
                 for task in ("prefill", "train")}
@@ -92,6 +98,11 @@ def every_job(tmp_path: Path) -> list:
         for path in config.other_exact_paths() if config.is_exact() else []:
             jobs.append((f"{name}{path}/layer", *_entry_and_cfg(composed["layer"], {**yaml_cfg, **extra, **path},
                                                                 tmp_path / f"{name}-layer-{path}")))
+    for model, cfg in static_decode.items():
+        for name in ("naive", "occult"):
+            jobs.append((f"static decode/{model}/{name}",
+                         *_entry_and_cfg(cfg, {**system_configs()[name], "dispatch_mode": "static"},
+                                         tmp_path / f"static-{model}-{name}")))
     occult = system_configs()["occult"]
     for task, cfg in bf16.items():
         jobs.append((f"occult/{task}/bfloat16", *_entry_and_cfg(cfg, occult, tmp_path / f"occult-{task}-bf16")))
@@ -110,8 +121,12 @@ def test_every_system_and_task_keeps_its_tensors_on_the_rank_device(tmp_path):
     per_rank = launch(import_object("helpers.task_rows"), P, (jobs,), timeout_s=560, collective_timeout_s=120,
                       default_device="meta")
     labels = {label for label, *_ in jobs}
-    for rank_out in per_rank:
+    for rank, rank_out in enumerate(per_rank):
         assert set(rank_out) == labels and all(rows for rows in rank_out.values())
+        static = [label for label in labels if label.startswith("static decode/")]
+        assert len(static) == 2 * len(STATIC_PROXIES)
+        for label in static:
+            check_static_decode(rank_out[label], rank, label)
     # model.dtype=bfloat16 runs prefill and train; the parity gate stays float64
     for label in ("occult/prefill/bfloat16", "occult/train/bfloat16"):
         for rank_out in per_rank:

@@ -35,12 +35,14 @@ import torch
 from ..ep import Exchange, Recorder, SplitDispatcher, all_to_all_rows, exchange_counts
 from ..ep.payload import wire_row_bytes
 from ..ep.plan import metadata_sends, returned, sends
+from ..ep.static import StaticConfig
 from ..ep.system import PayloadConfig
 from ..ep.accounting import span
 from ..ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
 from ..kernels import triton_available, use_triton
 from .brim import Brim0, Brim1, build_brim0, build_brim1, local_expert_weights, uses_of
 from .experts import GatheredRows, merged_swiglu, occult_experts
+from .static import StaticSFD
 
 
 @dataclass(frozen=True)
@@ -65,18 +67,20 @@ KERNELS = ("auto", "torch", "epd", "triton")
 FUSE_FROM_BYTES = 2 << 20
 
 
-class OccultDispatcher(SplitDispatcher):
+class OccultDispatcher(StaticSFD, SplitDispatcher):
     """``kernels`` (:mod:`occult.collab.experts`): ``torch`` (PyTorch, one local expert at
     a time: its rows gathered from the received buffer, its outputs added into the merged
     rows), ``epd`` (PyTorch, EPD materialised, then the merge: the token states one by
     one), ``triton`` (the gather-fused expert matmul and the atomic weighted merge; CUDA,
     or the Triton interpreter), or ``auto`` (triton on CUDA tensors when triton imports,
-    else torch for a large EPD, epd for a small one: :data:`FUSE_FROM_BYTES`)."""
+    else torch for a large EPD, epd for a small one: :data:`FUSE_FROM_BYTES`).
+    ``dispatch_mode=static``: one slot per token per destination device in fixed buffers, no
+    counts exchange, no host read (:mod:`occult.collab.static`)."""
 
     impl = "harness"
 
     @dataclass
-    class Config(PayloadConfig):
+    class Config(StaticConfig, PayloadConfig):
         kernels: str = "auto"    # auto (Triton on CUDA when installed, else by size) | torch | epd | triton
         accepts_dropped_pairs: ClassVar[bool] = True
 
@@ -87,12 +91,17 @@ class OccultDispatcher(SplitDispatcher):
             if self.kernels == "triton" and not triton_available():
                 raise ValueError("system.kernels=triton: the triton package is not installed "
                                  "(pip install -e '.[gpu]')")
+            if self.is_static() and self.kernels != "auto":
+                raise ValueError(f"system.kernels={self.kernels!r}: dispatch_mode=static has one experts step of "
+                                 "its own (every local expert on every slot); allowed value with it: auto")
 
         def other_exact_paths(self) -> list:
             # the PyTorch path this config does not take on small problems such as the parity
             # suite's (auto takes epd there); triton's kernels are checked under the
             # interpreter (make test-triton) and on a GPU
-            return [{"kernels": "epd" if self.kernels == "torch" else "torch"}]
+            if self.is_static():
+                return super().other_exact_paths()
+            return super().other_exact_paths() + [{"kernels": "epd" if self.kernels == "torch" else "torch"}]
 
     def _kernels(self, x_TD, epd_rows: int) -> str:
         """The path this call takes: torch | epd | triton (``auto``: triton where it runs,
@@ -145,6 +154,8 @@ class OccultDispatcher(SplitDispatcher):
     def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
         """``counts`` (one int64 per rank), ``dispatch`` (BRIM_0's SFD rows, each with its e
         gate weights) and ``combine`` (the dispatch returned, the merged rows)."""
+        if self.config.is_static():
+            return self.static_plan(topk_ids_TK, rank=rank, shape=shape)
         P, e = self.ep.world_size, self.placement.num_local
         send_P = build_brim0(topk_ids_TK, self.placement).send_P
         d_bytes, d_meta = wire_row_bytes(self.config.payload_of("dispatch"), shape.hidden, e, shape.element_bytes)

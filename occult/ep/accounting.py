@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -36,6 +36,9 @@ class CommEvent:
     meta_row_bytes: int = 0     # of row_bytes, the metadata riding with each row
     raw_seconds: float = -1.0   # the same exchange as a plain all_to_all_single (Recorder.raw_replay)
     collective: str = "all_to_all"   # all_to_all | all_gather | reduce_scatter | broadcast | reduce
+    # of rows_P, the valid rows (a fixed buffer's: the rest is padding); None: every row is
+    # valid. A device tensor until Recorder.settle reads it, after the step
+    valid_P: object = None
 
 
 @dataclass
@@ -60,10 +63,23 @@ class Recorder:
 
     def log_collective(self, *, layer: int, phase: str, direction: str, rows_P, row_bytes: int,
                        seconds: float, wait_seconds: float = 0.0, meta_row_bytes: int = 0,
-                       raw_seconds: float = -1.0, collective: str = "all_to_all") -> None:
+                       raw_seconds: float = -1.0, collective: str = "all_to_all", valid_P=None) -> None:
+        """``valid_P``: of ``rows_P``, the valid rows, as a device tensor (kept as it is: read on
+        the host by :meth:`settle`, after the step) or host integers."""
         self.comm.append(CommEvent(layer, phase, direction, self.rank, tuple(int(r) for r in rows_P),
                                    int(row_bytes), float(seconds), float(wait_seconds), int(meta_row_bytes),
-                                   float(raw_seconds), collective))
+                                   float(raw_seconds), collective, valid_P))
+
+    def settle(self) -> None:
+        """Reads the valid-row counts that collectives left on the device (a static step's
+        accounting, :func:`occult.ep.comm.all_to_all_fixed`) to the host, all in one copy: call
+        it after the step, off its critical path (:func:`occult.tasks.common.comm_rows` does)."""
+        pending = [i for i, ev in enumerate(self.comm) if torch.is_tensor(ev.valid_P)]
+        if not pending:
+            return
+        counts = torch.stack([self.comm[i].valid_P.long() for i in pending]).cpu().tolist()
+        for i, valid in zip(pending, counts):
+            self.comm[i] = replace(self.comm[i], valid_P=tuple(int(v) for v in valid))
 
     def log_span(self, layer: int, name: str, direction: str, seconds: float) -> None:
         """A timed span measured by the caller (e.g. a pipelined schedule's time not hidden by

@@ -14,7 +14,11 @@ collective and logs it too, as pass ``backward``.
 * :func:`broadcast_rows` (one rank's rows to every rank; backward: a reduce of the
   gradients to that rank);
 * :func:`start_all_to_all` (an all-to-all that runs while the caller computes, for
-  pipelined schedules; not differentiable by itself).
+  pipelined schedules; not differentiable by itself);
+* :func:`all_to_all_fixed` (equal splits of a fixed-shape buffer whose valid rows are
+  marked in the buffer itself: static-shape dispatch, no counts exchange, no host read;
+  it logs the wire rows it sent and, as device tensors read after the step, the valid
+  ones: :meth:`Recorder.settle`).
 
 What is logged is each collective's *logical* traffic, per (source, destination) pair:
 an all-gather sends the rank's rows to every peer, a broadcast sends the source's rows to
@@ -113,12 +117,13 @@ def _row_bytes(x: torch.Tensor) -> int:
 
 def _log(where: Exchange, direction: str, collective: str, rows_P, x: torch.Tensor, t0: float,
          wait: float, meta_row_bytes: Optional[int] = None, replay=None,
-         seconds: Optional[float] = None) -> None:
+         seconds: Optional[float] = None, valid_P: Optional[torch.Tensor] = None) -> None:
     """Logs a collective that started at ``t0`` and has ended (``seconds``: its time, when
     the caller measured it). ``meta_row_bytes``: of each row's bytes, the metadata (default:
     ``where.meta_cols`` values; every byte for a ``where.metadata`` exchange); ``replay``: a
     callable that runs the same exchange again as the bare collective and returns its
-    seconds (called only with ``Recorder.raw_replay``)."""
+    seconds (called only with ``Recorder.raw_replay``); ``valid_P``: of ``rows_P``, the valid
+    rows (a device tensor, kept as it is until :meth:`Recorder.settle`)."""
     rec = where.recorder
     if rec is not None:
         seconds = clock() - t0 if seconds is None else seconds
@@ -128,7 +133,8 @@ def _log(where: Exchange, direction: str, collective: str, rows_P, x: torch.Tens
         rec.log_collective(layer=where.layer, phase=where.phase, direction=direction, rows_P=rows_P,
                            row_bytes=_row_bytes(x), seconds=seconds, wait_seconds=wait,
                            meta_row_bytes=(where.meta_cols * x.element_size() if meta_row_bytes is None
-                                           else meta_row_bytes), raw_seconds=raw, collective=collective)
+                                           else meta_row_bytes), raw_seconds=raw, collective=collective,
+                           valid_P=valid_P)
 
 
 def _start(ep: EPGroup, where: Exchange) -> tuple[float, float]:
@@ -149,14 +155,17 @@ def _a2a(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup) -> torch.T
 
 
 def _exchange(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where: Exchange,
-              direction: str, meta_row_bytes: Optional[int] = None) -> torch.Tensor:
+              direction: str, meta_row_bytes: Optional[int] = None, valid_P=None) -> torch.Tensor:
     """One all-to-all of rows; ``send_P[j]`` rows go to rank j, ``recv_P[j]`` come from rank j.
-    ``meta_row_bytes``: of each row's bytes, the metadata (default: ``where.meta_cols`` values)."""
+    ``meta_row_bytes``: of each row's bytes, the metadata (default: ``where.meta_cols`` values);
+    ``valid_P``: a callable of the output rows giving the valid rows sent to each rank (a
+    device tensor [P]; fixed buffers, :func:`all_to_all_fixed`)."""
     wait, t0 = _start(ep, where)
     x_RD = x_RD.contiguous()
     out = _a2a(x_RD, send_P, recv_P, ep)
     _log(where, direction, ALL_TO_ALL, send_P, x_RD, t0, wait, meta_row_bytes,
-         replay=lambda: _raw_seconds(x_RD, out, send_P, recv_P, ep))
+         replay=lambda: _raw_seconds(x_RD, out, send_P, recv_P, ep),
+         valid_P=None if valid_P is None or where.recorder is None else valid_P(out))
     return out
 
 
@@ -220,6 +229,57 @@ def all_to_all_rows(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup,
     if x_RD.requires_grad:
         return _AllToAllRows.apply(x_RD, send_P, recv_P, ep, where)
     return _exchange(x_RD, send_P, recv_P, ep, where, "forward")
+
+
+class _FixedRows(torch.autograd.Function):
+    """The equal-split all-to-all of a fixed buffer; its backward sends the gradients of the
+    received rows back the same way (the rows that were valid there logged as valid)."""
+
+    @staticmethod
+    def forward(ctx, x_RW, ep, where, valid, valid_back):
+        P = ep.world_size
+        splits = [x_RW.shape[0] // P] * P
+        marks: dict = {}
+
+        def sent(out):
+            marks["back"] = valid_back(out) if callable(valid_back) else valid_back
+            return _valid_per_rank(valid(x_RW) if callable(valid) else valid, P)
+        ctx.ep, ctx.where, ctx.splits, ctx.marks = ep, where, splits, marks
+        return _exchange(x_RW, splits, splits, ep, where, "forward", valid_P=sent)
+
+    @staticmethod
+    def backward(ctx, grad_RW):
+        back = ctx.marks.get("back")
+        valid_P = None if back is None else (lambda _: _valid_per_rank(back, ctx.ep.world_size))
+        grad = _exchange(grad_RW, ctx.splits, ctx.splits, ctx.ep, ctx.where, "backward", valid_P=valid_P)
+        return grad, None, None, None, None
+
+
+def _valid_per_rank(valid_R: torch.Tensor, P: int) -> torch.Tensor:
+    """Valid rows of each rank's equal block of a fixed buffer: bool [P * S] -> long [P] (on the
+    buffer's device: nothing read on the host)."""
+    return valid_R.reshape(P, -1).sum(1)
+
+
+def all_to_all_fixed(x_RW: torch.Tensor, valid, ep: EPGroup, where: Exchange, valid_back=None) -> torch.Tensor:
+    """Equal-split all-to-all of a fixed buffer, differentiable: [P * S, W] -> [P * S, W], block
+    j (rows ``[j S, (j + 1) S)``) to rank j; what rank j sent arrives in block j. No counts
+    exchange and no host read: the valid rows are marked in the buffer itself (the sender's
+    encoding, e.g. a slot id or gate weights >= 0), padding rows travel too (what a
+    low-latency kernel would not send).
+
+    Logs the wire rows (``rows``: S to every rank) and, beside them, the valid rows sent to
+    each rank: ``valid`` (bool [P * S], or a callable of the buffer giving it) in the forward,
+    ``valid_back`` (of the received rows, or a callable of them) in the backward, kept on the
+    device until :meth:`Recorder.settle`."""
+    P = ep.world_size
+    if x_RW.shape[0] % P:
+        raise ValueError(f"all_to_all_fixed: {x_RW.shape[0]} rows do not split into {P} equal blocks")
+    if x_RW.requires_grad:
+        return _FixedRows.apply(x_RW, ep, where, valid, valid_back)
+    splits = [x_RW.shape[0] // P] * P
+    return _exchange(x_RW, splits, splits, ep, where, "forward",
+                     valid_P=lambda out: _valid_per_rank(valid(x_RW) if callable(valid) else valid, P))
 
 
 def exchange_counts(counts_PX: torch.Tensor, ep: EPGroup, where: Exchange,

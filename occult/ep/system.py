@@ -123,6 +123,12 @@ class SystemConfig:
         is exact already or its loss cannot be switched off."""
         return {}
 
+    def sized(self, tokens_per_rank: int, force: bool = False) -> "SystemConfig":
+        """The config for calls of at most ``tokens_per_rank`` tokens per rank: a system with
+        fixed-size buffers (:class:`occult.ep.static.StaticConfig`) sizes them by it where its own
+        option leaves them unset (always, with ``force``); the others are as they are."""
+        return self
+
     def other_exact_paths(self) -> list:
         """Options that run the same exact result through other code (e.g. another kernel
         path): each dict of options is checked against the reference by the parity suite

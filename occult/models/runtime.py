@@ -32,12 +32,16 @@ def base_model(cfg, vocab_size: int, checkpoint: Optional[str] = None, device="c
     return model.to(device=device, dtype=getattr(torch, cfg.model.get("dtype", "float32")))
 
 
-def make_rank_model(ctx, model: nn.Module, cfg, placements: Optional[dict] = None, system=None) -> nn.Module:
+def make_rank_model(ctx, model: nn.Module, cfg, placements: Optional[dict] = None, system=None,
+                    tokens_per_rank: int = 0) -> nn.Module:
     """Turns the full model into this rank's model for ``system`` (default ``cfg.system``;
     in place): each MoE block becomes an expert-parallel block with the system built for
     its layer (``placements``: {layer: Placement} overriding the system's); a system that
-    builds no dispatcher (the reference) leaves the model as it is."""
+    builds no dispatcher (the reference) leaves the model as it is. ``tokens_per_rank``: the
+    tokens a rank's layer call holds (what a system with fixed buffers is sized by; 0: none)."""
     config = system_config(cfg.system if system is None else system)
+    if tokens_per_rank:
+        config = config.sized(tokens_per_rank)
     if not config.expert_parallel:
         return model
     E = cfg.model.num_experts

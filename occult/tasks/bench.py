@@ -201,7 +201,7 @@ def model_rank(ctx, cfg_dict: dict) -> list:
     the same weights, then the systems' ``task.workload`` iterations alternating."""
     from ..data.tokenizer import get_tokenizer
     from ..models.runtime import base_model, make_rank_model
-    from .model import WORKLOADS, _finish
+    from .model import WORKLOADS, _finish, call_tokens
 
     cfg = OmegaConf.create(cfg_dict)
     t, m = cfg.task, cfg.model
@@ -212,7 +212,7 @@ def model_rank(ctx, cfg_dict: dict) -> list:
     for config in systems:
         rows.append(parity_gate(ctx, cfg, config, "router")
                     if t.check_parity and config.expert_parallel else [])
-        model = make_rank_model(ctx, copy.deepcopy(base), cfg, system=config)
+        model = make_rank_model(ctx, copy.deepcopy(base), cfg, system=config, tokens_per_rank=call_tokens(cfg))
         works.append(WORKLOADS[t.workload](ctx, cfg, tok, model))
         recs.append(Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives))
     for sample in iterations(ctx.ep, t.warmup, t.iters):

@@ -91,7 +91,12 @@ def counter_unit(name: str) -> str:
 def comm_rows(rec: Recorder, per_peer: bool = True) -> list:
     """Rows and bytes this rank sent to each peer, per layer, phase and pass (unless
     ``per_peer`` is false); the number of collectives of each kind per layer, phase and pass;
-    and the dispatchers' counters (dropped pairs, padding rows), summed per layer."""
+    and the dispatchers' counters (dropped pairs, padding rows), summed per layer. A fixed
+    buffer's collective (static dispatch) also gives, per peer, its ``valid_rows`` and
+    ``valid_bytes`` (what a low-latency kernel would send) and ``padding_rows`` beside the
+    wire's ``rows`` and ``bytes`` (what was sent here), read from the device now
+    (:meth:`occult.ep.accounting.Recorder.settle`)."""
+    rec.settle()
     counters: dict = {}
     for layer, name, value in rec.counters:
         counters[(layer, name)] = counters.get((layer, name), 0.0) + value
@@ -106,12 +111,38 @@ def comm_rows(rec: Recorder, per_peer: bool = True) -> list:
             out.append(row("bytes", n * ev.row_bytes, "bytes", **common))
             if ev.meta_row_bytes:      # of those bytes, the metadata riding with the rows
                 out.append(row("meta_bytes", n * ev.meta_row_bytes, "bytes", **common))
+            if ev.valid_P is not None:
+                valid = ev.valid_P[dst]
+                out += [row("valid_rows", valid, "rows", **common),
+                        row("valid_bytes", valid * ev.row_bytes, "bytes", **common),
+                        row("padding_rows", n - valid, "rows", **common)]
         key = (ev.layer, ev.phase, ev.direction, ev.collective)
         calls[key] = calls.get(key, 0) + 1
     # how many collectives of each kind (all_to_all_calls, broadcast_calls, ...) ran
     out += [row(f"{kind}_calls", n, "calls", layer=layer, rank=rec.rank, phase=phase, direction=direction)
             for (layer, phase, direction, kind), n in sorted(calls.items())]
     return out
+
+
+def step_traffic_rows(events, steps: int, rank: int, sample: int) -> list:
+    """What this rank sent other ranks per decode step, forward (``events``: the steps'
+    collectives, settled): ``step_wire_bytes`` (on the wire here, padding included),
+    ``step_valid_bytes`` (the valid rows: what a low-latency kernel sends; every row of a
+    dynamic exchange is valid) and ``step_padding_rows``; none without steps."""
+    if steps < 1:
+        return []
+    wire = valid = padding = 0
+    for ev in events:
+        if ev.direction != "forward":
+            continue
+        for dst, n in enumerate(ev.rows_P):
+            if dst != ev.src_rank:
+                v = n if ev.valid_P is None else ev.valid_P[dst]
+                wire, valid, padding = wire + n * ev.row_bytes, valid + v * ev.row_bytes, padding + n - v
+    where = dict(rank=rank, phase="decode", direction="forward", sample=sample)
+    return [row("step_wire_bytes", wire / steps, "bytes", **where),
+            row("step_valid_bytes", valid / steps, "bytes", **where),
+            row("step_padding_rows", padding / steps, "rows", **where)]
 
 
 def token_rows(ids_TK: torch.Tensor, placement, home_T: torch.Tensor, layer: int, rank: int) -> list:

@@ -55,7 +55,8 @@ def build_layer(ctx, cfg, system=None, placement=None) -> MoELayer:
     ``system`` (default ``cfg.system``) on ``placement`` (default the system's)."""
     m = cfg.model
     dtype = getattr(torch, m.dtype)
-    dispatcher = system_config(cfg.system if system is None else system).build(ctx.ep, 0, m.num_experts, placement)
+    config = system_config(cfg.system if system is None else system).sized(cfg.task.tokens_per_rank)
+    dispatcher = config.build(ctx.ep, 0, m.num_experts, placement)
     router_ED = router_weight(cfg)
     router = TopKRouter(router_ED.to(device=ctx.device, dtype=dtype), m.top_k, rule=gate_rule(m))
     experts = expert_weights(dispatcher.local_expert_ids, m.hidden_size, m.expert_ffn_size, cfg.seed, dtype,

@@ -22,9 +22,10 @@ from ..data.tokenizer import get_tokenizer
 from ..ep import Recorder, system_config
 from ..ep.accounting import recording
 from ..ep.measure import clock, iterations, slowest
+from ..ep.static import dynamic_calls
 from ..models.runtime import base_model, make_rank_model, sync_gradients
 from ..records import row
-from .common import comm_rows, parity_gate, routing_rows, timing_rows
+from .common import comm_rows, parity_gate, routing_rows, step_traffic_rows, timing_rows
 
 
 def prepare(cfg_dict: dict) -> dict:
@@ -55,8 +56,15 @@ def setup(ctx, cfg):
     if cfg.task.check_parity and system_config(cfg.system).expert_parallel:
         first = min(placements) if placements else None
         rows += parity_gate(ctx, cfg, cfg.system, "router", placements.get(first))
-    model = make_rank_model(ctx, full, cfg, placements or None)
+    model = make_rank_model(ctx, full, cfg, placements or None, tokens_per_rank=call_tokens(cfg))
     return model.eval(), tok, rows
+
+
+def call_tokens(cfg) -> int:
+    """The tokens one rank's layer call holds in the timed work (what a system with fixed
+    buffers is sized by): a decode step's B (its prompt runs dynamic), else B S."""
+    t = cfg.task
+    return t.batch_size if t.get("workload", t.name) == "decode" else t.batch_size * t.seq_len
 
 
 def task_placements(ctx, cfg, model, tok) -> dict:
@@ -169,17 +177,29 @@ class PrefillWorkload(Workload):
 
 
 class DecodeWorkload(PrefillWorkload):
-    """task=decode: greedy generation of N tokens with a KV cache after a prompt."""
+    """task=decode: greedy generation of N tokens with a KV cache after a prompt. The prompt
+    runs the dynamic dispatch; the steps a system's ``dispatch_mode`` (static: fixed buffers
+    of B tokens per rank, :mod:`occult.ep.static`; with ``task.cuda_graph``, each MoE block's
+    step captured once and replayed, :mod:`occult.ep.graphs`)."""
 
     phase = "decode"
+
+    def __init__(self, ctx, cfg, tok, model):
+        super().__init__(ctx, cfg, tok, model)
+        if cfg.task.get("cuda_graph", False):
+            from ..ep.graphs import graph_blocks
+            from ..models.ep_block import EPMoEBlock
+            graph_blocks(self.model, EPMoEBlock)
 
     def step(self, rec, sample):
         ctx, t, model = self.ctx, self.cfg.task, self.model
         steps = []
         with torch.no_grad(), recording(rec):
             t0 = clock()
-            out = model(input_ids=self.x_BS, use_cache=True)
+            with dynamic_calls():
+                out = model(input_ids=self.x_BS, use_cache=True)
             ttft = clock() - t0
+            prompt_events = len(rec.comm)
             cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
             for _ in range(t.new_tokens):
                 ts = clock()
@@ -190,6 +210,8 @@ class DecodeWorkload(PrefillWorkload):
         if sample < 0:
             return []
         rows = timing_rows(rec, sample)
+        rec.settle()           # the steps' valid rows, read after the steps
+        rows += step_traffic_rows(rec.comm[prompt_events:], t.new_tokens, ctx.rank, sample)
         # one sample per generated token: sample = iteration * N + step
         rows += [row("time", s * 1e3, "ms", rank=ctx.rank, phase="decode_step", sample=sample * t.new_tokens + k)
                  for k, s in enumerate(steps)]

@@ -281,15 +281,33 @@ class PrefillTask(Timed, Gated, Exchanges, Placed, Text, HeldOut):
 
 @dataclass
 class DecodeTask(PrefillTask):
-    """task=decode: greedy generation with a KV cache after the prompts."""
+    """task=decode: greedy generation with a KV cache after the prompts. ``cuda_graph``: each
+    MoE block's static decode step captured in a CUDA graph and replayed
+    (:mod:`occult.ep.graphs`; CUDA ranks and ``system.dispatch_mode=static`` only)."""
 
     new_tokens: int = 16
+    cuda_graph: bool = False
 
     entry: ClassVar[str] = "occult.tasks.model.decode_rank"
 
     def check(self) -> None:
         super().check()
         _at_least("new_tokens", self.new_tokens, 0)
+
+    def check_run(self, cfg) -> None:
+        super().check_run(cfg)
+        if not self.cuda_graph:
+            return
+        import torch
+
+        from ..ep import system_config
+        from ..ep.graphs import refusal
+
+        system = system_config(cfg.system)
+        why = refusal(cfg.cluster.backend, getattr(system, "dispatch_mode", "dynamic") == "static",
+                      torch.cuda.is_available())
+        if why:
+            raise ConfigError(why)
 
 
 @dataclass

@@ -462,7 +462,8 @@ def _simulate(ctx, cfg_dict: dict) -> list:
         rows += [row("source_tokens", source.tokens, "tokens"),
                  row("resampled_tokens", float(source.resampled), "bool")]
     for layer in task_layers(cfg):
-        dispatcher = system_config(cfg.system).build(ep, layer, m.num_experts)
+        T = t.total_tokens // c.world_size if t.total_tokens else t.tokens_per_rank
+        dispatcher = system_config(cfg.system).sized(T).build(ep, layer, m.num_experts)
         need_probs = dispatcher.routing_transform(layer) is not None
         routing = []
         for rank in range(c.world_size):
