@@ -17,7 +17,7 @@ import torch
 from occult.ep import Exchange, Recorder, SplitDispatcher, all_to_all_rows, exchange_counts
 from occult.ep.payload import wire_row_bytes
 from occult.ep.plan import Planned, RowShape, metadata_sends, returned, sends
-from occult.ep.system import PayloadConfig
+from occult.ep.system import PayloadConfig, ReplicaConfig
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination,
                                weighted_scatter_add)
 
@@ -53,18 +53,17 @@ class NaiveHandle:
 class NaiveDispatcher(SplitDispatcher):
     """Naive EP; ``payload``: how the rows cross (fp32: as they are; bf16, int8, fp8:
     compressed, see :mod:`occult.ep.payload`). Runs on a slot placement too (EPLB's: each pair
-    to the copy that ``round_robin`` picks, :class:`occult.ep.placement.SlotPlacement`)."""
+    to the copy that ``replica_policy`` picks, :mod:`occult.ep.replica_rules`)."""
 
     impl = "harness"
 
     @dataclass
-    class Config(PayloadConfig):
+    class Config(ReplicaConfig, PayloadConfig):
         accepts_dropped_pairs: ClassVar[bool] = True
-        slot_placements: ClassVar[bool] = True     # pairs sorted to the copy round_robin picks
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         K = topk_ids_TK.shape[1]
-        order_R, send_Pe = sort_pairs_by_destination(topk_ids_TK, self.placement)
+        order_R, send_Pe = sort_pairs_by_destination(topk_ids_TK, self.placement, home=self.ep.rank)
         recv_Pe = exchange_counts(send_Pe, self.ep, Exchange(layer, "counts", recorder))
         # device-to-host sync: split sizes go to the collective as Python ints
         send_P, recv_P = send_Pe.sum(1).tolist(), recv_Pe.sum(1).tolist()
@@ -77,7 +76,7 @@ class NaiveDispatcher(SplitDispatcher):
         return gather_rows(x_recv_RD, perm_R), recv_Pe.sum(0), handle
 
     def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
-        _, send_Pe = sort_pairs_by_destination(topk_ids_TK, self.placement)
+        _, send_Pe = sort_pairs_by_destination(topk_ids_TK, self.placement, home=rank)
         return pair_exchange_plan(send_Pe, rank, shape, self.config.payload_of("dispatch"),
                                   self.config.payload_of("combine"))
 

@@ -171,7 +171,7 @@ class Placed(TaskConf):
     ``eplb`` (physical slots built by DeepSeek's EPLB from the loads of a profiling set, with
     ``num_redundant`` extra slots: :mod:`occult.placement.eplb`; the artifact is written to the
     run folder as ``placement_eplb.json``), or the path of a slot placement artifact. Systems
-    whose config says ``slot_placements`` run on slots (``naive``)."""
+    whose config says ``slot_placements`` run on slots (``naive``, ``occult``)."""
 
     placement: str = "contiguous"
     num_redundant: int = 0
@@ -190,6 +190,16 @@ class Placed(TaskConf):
             out["num_redundant"] = "read only with task.placement=eplb"
         return out
 
+    def has_copies(self) -> bool:
+        """Whether the placement holds copies of some expert (EPLB's with redundant slots, or
+        an artifact with copies)."""
+        if self.placement == "contiguous":
+            return False
+        if self.placement == "eplb":
+            return self.num_redundant > 0
+        from ..placement.eplb import load_slot_placements
+        return any(bool((pl.copies_E() > 1).any()) for pl in load_slot_placements(self.placement)[0].values())
+
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
         if self.placement == "contiguous":
@@ -201,7 +211,7 @@ class Placed(TaskConf):
         if config is None or not config.slot_placements:
             name = config.name if config is not None else f"task={self.name}"
             raise ConfigError(f"task.placement={self.placement!r}: system {name} does not run on physical slots "
-                              "(systems that do: naive)")
+                              "(systems that do: naive, occult)")
         E, P = cfg.model.num_experts, cfg.cluster.world_size
         if self.placement == "eplb":
             err = num_redundant_error(self.num_redundant, E, P)
