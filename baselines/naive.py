@@ -18,7 +18,7 @@ from occult.ep import Exchange, Recorder, SplitDispatcher, all_to_all_rows, exch
 from occult.ep.payload import wire_row_bytes
 from occult.ep.plan import Planned, RowShape, metadata_sends, returned, sends
 from occult.ep.static import StaticConfig, StaticPairs
-from occult.ep.system import PayloadConfig
+from occult.ep.system import PayloadConfig, ReplicaConfig
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination,
                                weighted_scatter_add)
 
@@ -54,20 +54,19 @@ class NaiveHandle:
 class NaiveDispatcher(StaticPairs, SplitDispatcher):
     """Naive EP; ``payload``: how the rows cross (fp32: as they are; bf16, int8, fp8:
     compressed, see :mod:`occult.ep.payload`). Runs on a slot placement too (EPLB's: each pair
-    to the copy that ``round_robin`` picks, :class:`occult.ep.placement.SlotPlacement`).
+    to the copy that ``replica_policy`` picks, :mod:`occult.ep.replica_rules`).
     ``dispatch_mode=static``: fixed buffers of min(K, e) x ``max_tokens_per_rank`` slots per
     destination, no counts exchange, no host read (:mod:`occult.ep.static`)."""
 
     impl = "harness"
 
     @dataclass
-    class Config(StaticConfig, PayloadConfig):
+    class Config(StaticConfig, ReplicaConfig, PayloadConfig):
         accepts_dropped_pairs: ClassVar[bool] = True
-        slot_placements: ClassVar[bool] = True     # pairs sorted to the copy round_robin picks
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         K = topk_ids_TK.shape[1]
-        order_R, send_Pe = sort_pairs_by_destination(topk_ids_TK, self.placement)
+        order_R, send_Pe = sort_pairs_by_destination(topk_ids_TK, self.placement, home=self.ep.rank)
         recv_Pe = exchange_counts(send_Pe, self.ep, Exchange(layer, "counts", recorder))
         # device-to-host sync: split sizes go to the collective as Python ints
         send_P, recv_P = send_Pe.sum(1).tolist(), recv_Pe.sum(1).tolist()
@@ -82,7 +81,7 @@ class NaiveDispatcher(StaticPairs, SplitDispatcher):
     def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
         if self.config.is_static():
             return self.static_plan(topk_ids_TK, rank=rank, shape=shape)
-        _, send_Pe = sort_pairs_by_destination(topk_ids_TK, self.placement)
+        _, send_Pe = sort_pairs_by_destination(topk_ids_TK, self.placement, home=rank)
         return pair_exchange_plan(send_Pe, rank, shape, self.config.payload_of("dispatch"),
                                   self.config.payload_of("combine"))
 

@@ -184,7 +184,8 @@ def check_layer(ctx, system, case: LayerCase, placement: Optional[Placement] = N
         sent[(ev.phase, ev.direction)] = sent.get((ev.phase, ev.direction), 0) + sum(ev.rows_P)
     _, routed_ids, routed_weights, _ = rec.routing[0]
     return {"errors": errors, "scales": scales, "comm": rec.comm, "sent_rows": sent, "tokens": hi - lo,
-            "distinct_devices": int(devices_per_token(routed_ids, placement).sum()),
+            "distinct_devices": int(devices_per_token(routed_ids, dispatcher.placement,
+                                                      torch.full((hi - lo,), rank, dtype=torch.long)).sum()),
             "routing": (routed_ids.cpu(), routed_weights.cpu())}
 
 

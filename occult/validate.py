@@ -149,6 +149,19 @@ def _refuse_system(t, overrides: Sequence[str]) -> None:
                           f"hashed either);{instead or ' leave system unset'}")
 
 
+def _replica_notes(cfg, t) -> list[str]:
+    """A replica rule on a placement without copies: a note (the rule has nothing to choose)."""
+    if not t.uses_system:
+        return []
+    from .ep import system_config
+    config = system_config(cfg.system)
+    if not hasattr(config, "replica_note"):
+        return []
+    has_copies = t.has_copies() if hasattr(t, "has_copies") else False
+    note = config.replica_note(has_copies)
+    return [note] if note else []
+
+
 def validate(cfg, overrides: Sequence[str] = ()) -> list[str]:
     """Raises :class:`ConfigError` for impossible runs; returns notes on runs that work but
     are worth knowing about (the runner logs them). ``overrides``: the run's command-line
@@ -181,7 +194,7 @@ def validate(cfg, overrides: Sequence[str] = ()) -> list[str]:
             raise ConfigError(f"task={t.name} runs a whole model; model.family={m.family} is refused: {refusal}")
     if t.whole_model and m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
-    notes = []
+    notes = _replica_notes(cfg, t)
     cores = os.cpu_count() or 1
     if P > cores and c.backend == "gloo" and not t.one_process:
         notes.append(f"cluster.world_size={P} is more than this machine's {cores} cores: "

@@ -98,13 +98,77 @@ def test_incast_and_trace_workloads(tmp_path):
     assert got[0].tolist() == [(6 + 3 * k) % E for k in range(K)] and len(trace_sha256(tmp_path)) == 64
 
 
+def eplb_world(P=4, E=64, K=8, T=256, r=16, seed=0):
+    """EPLB's slots (the real library) on a skewed load, and every rank's routing drawn from it."""
+    pytest.importorskip("eplb")
+    from occult.placement.eplb import eplb_placements
+    g = torch.Generator().manual_seed(seed)
+    pop_E = 1.0 / torch.arange(1, E + 1, dtype=torch.float64)
+    ids = torch.stack([torch.multinomial(pop_E, K, generator=g) for _ in range(T * P)])
+    load_E = torch.bincount(ids.flatten(), minlength=E).double()
+    return eplb_placements({0: load_E}, r, P)[0], ids, torch.arange(P).repeat_interleave(T)
+
+
+def test_every_replica_rule_serves_each_pair_by_a_copy_of_its_expert_as_each_rank_alone():
+    """Each rule picks a slot holding the pair's expert (dropped pairs: -1); with several ranks'
+    pairs concatenated each rank decides its own, as it does alone; local_first and grace take
+    the sending rank's copy whenever it holds one."""
+    from occult.ep.replica_rules import REPLICA_POLICIES, first_slot_EP
+    pl, ids, home_T = eplb_world(T=64)
+    ids[3, 5] = -1
+    for rule in REPLICA_POLICIES:
+        ruled = pl.with_rule(rule)
+        slot_TK = ruled.pair_slots(ids, home_T)
+        assert slot_TK[3, 5] == -1
+        keep = ids >= 0
+        assert torch.equal(pl.expert_S[slot_TK[keep]], ids[keep]), rule
+        per_rank = torch.cat([ruled.pair_slots(ids[home_T == r], torch.full((64,), r)) for r in range(4)])
+        assert torch.equal(slot_TK, per_rank), rule
+        if rule in ("local_first", "grace"):
+            local_TK = first_slot_EP(pl)[ids.clamp_min(0), home_T.unsqueeze(1).expand_as(ids)] >= 0
+            assert bool((pl.device_S[slot_TK][keep & local_TK] == home_T.unsqueeze(1).expand_as(ids)[keep & local_TK]
+                         ).all()), rule
+    assert pl.to("cpu").with_rule("grace", 0.3).to("cpu").replica_policy == "grace"
+
+
+def test_collaborative_touches_fewer_devices_and_its_cap_bounds_the_load():
+    """The collaborative rule's greedy cover gives a lower C_T than round_robin on EPLB's slots;
+    with its cap (slack 0.1) the busiest device's share of a rank's pairs is lower than
+    without one (slack 100; only copied experts' pairs can move, so the cap is not a bound),
+    and grace's is no higher than local_first's."""
+    from occult.ep.accounting import devices_per_token
+    pl, ids, home_T = eplb_world()
+
+    def ct(rule, slack=0.1):
+        return devices_per_token(ids, pl.with_rule(rule, slack), home_T).double().mean().item()
+
+    def worst(rule, slack=0.1):
+        dev_TK = pl.device_S[pl.with_rule(rule, slack).pair_slots(ids, home_T)]
+        return max(torch.bincount(dev_TK[home_T == r].flatten(), minlength=4).max().item() for r in range(4))
+
+    assert ct("collaborative", 100.0) < ct("collaborative") < ct("round_robin")
+    assert worst("collaborative") < worst("collaborative", 100.0)
+    assert worst("grace") <= worst("local_first")
+
+
+def test_a_replica_rule_on_a_placement_without_copies_is_a_note():
+    notes = validate(cfg_with("task=layer", "system=occult", "system.replica_policy=collaborative"))
+    assert any(n.startswith("system.replica_policy=collaborative has no effect here") for n in notes)
+    assert not any("replica_policy" in n for n in validate(cfg_with(
+        "task=layer", "system=occult", "system.replica_policy=collaborative", "task.placement=eplb",
+        "task.num_redundant=8", "model=olmoe_layer", "cluster=cpu4")))
+
+
 @pytest.mark.parametrize("overrides, line", [
     (["task=layer", "task.placement=eplb", "task.num_redundant=-1"], "task.num_redundant=-1: must be >= 0"),
     (["task=layer", "task.placement=eplb", "task.num_redundant=3", "model=olmoe_layer", "cluster=cpu4"],
      "task.num_redundant=3: EPLB needs the physical count E + num_redundant = 67 divisible by the 4 GPUs"),
     (["task=layer", "task.num_redundant=8"], "task.num_redundant=8: task=layer does not read it here"),
-    (["task=layer", "task.placement=eplb", "system=occult"], "task.placement='eplb': system occult does not run "
-                                                              "on physical slots"),
+    (["task=layer", "task.placement=eplb", "system=allgather"], "task.placement='eplb': system allgather does not "
+                                                                 "run on physical slots"),
+    (["task=layer", "system=occult", "system.slack=-0.5"], "system.slack=-0.5: must be >= 0"),
+    (["task=layer", "system=naive", "system.replica_policy=nearest"], "system.replica_policy='nearest': allowed "
+                                                                      "values are"),
     (["task=layer", "task.routing=imbalance", "task.max_over_mean=0.5"], "task.max_over_mean=0.5: allowed values are"),
     (["task=layer", "task.routing=imbalance", "task.max_over_mean=3.9", "model=olmoe_layer", "cluster=cpu2"],
      "task.max_over_mean=3.9: allowed values are 1.0 to 2 here (the largest reachable with E=64, K=8, P=2"),

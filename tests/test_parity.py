@@ -122,6 +122,31 @@ def eplb_jobs(P: int) -> tuple[list, list]:
     return jobs, labels
 
 
+# the replica rules (occult.ep.replica_rules) on naive and occult, on EPLB's slots with E/8
+# redundant (copies, some on one device), in the P = 2 and 4 worlds
+RULE_WORLDS = (2, 4)
+
+
+def rule_jobs(P: int) -> tuple[list, list]:
+    """naive and occult under every replica rule on EPLB's slots: jobs and labels
+    (``rules[<system> <rule>]``)."""
+    from occult.ep.replica_rules import REPLICA_POLICIES
+    placements = eplb_slot_placements(P)
+    if P not in RULE_WORLDS or not placements:
+        return [], []
+    _, E, placement = placements[0]
+    T = (5, 9, 4, 7)[:P]
+    jobs, labels = [], []
+    for name in ("naive", "occult"):
+        for rule in REPLICA_POLICIES:
+            system = {**exact_systems()[name], "replica_policy": rule}
+            for case in (LayerCase(E, 2, T, routing="uniform", seed=E * 10 + 2),
+                         LayerCase(E, 8 if E >= 8 else E, T, routing="router", renormalize=True, seed=E * 10 + 9)):
+                jobs.append((system, case, placement))
+                labels.append((f"rules[{name} {rule}]", case, system))
+    return jobs, labels
+
+
 # the load workload in the P = 4 world: task.routing=imbalance's routing (max / mean 2.0) at
 # OLMoE's E = 64, K = 8, 512 tokens per rank, on naive's contiguous placement and on EPLB's
 # with E/8 redundant slots built from a profiling draw (seed + 1)
@@ -171,7 +196,7 @@ class World:
 def world(request, tmp_path_factory) -> World:
     P = request.param
     jobs, labels = parity_jobs(P, exact_systems())
-    for more_jobs, more_labels in (eplb_jobs(P), imbalance_jobs(P)):
+    for more_jobs, more_labels in (eplb_jobs(P), imbalance_jobs(P), rule_jobs(P)):
         jobs, labels = jobs + more_jobs, labels + more_labels
     traffic, traffic_labels = [], []
     if P in TRAFFIC_LAYOUTS:
@@ -205,6 +230,27 @@ def test_naive_on_eplb_slots_matches_reference(world):
     for i, (name, case, system) in slot[:4]:      # naive's plan on the slots = what every rank logged
         per_rank = [r[i] for r in world.results]
         assert not plan_disagreements(name, system, case, per_rank, world.P, NODES[world.P], placements[name])
+
+
+@pytest.mark.timeout(300)
+def test_replica_rules_match_reference_and_plan(world):
+    """Every replica rule (round_robin, local_first, grace, collaborative) on naive and occult
+    over EPLB's slots is exact, forward and backward, and each one's plan is what every rank
+    logged; the rules send to different copies (they are not all round_robin)."""
+    pytest.importorskip("eplb")
+    if world.P not in RULE_WORLDS:
+        pytest.skip(f"the replica rules run in the P = {RULE_WORLDS} worlds")
+    found = [(i, lab) for i, lab in enumerate(world.labels) if lab[0].startswith("rules[")]
+    assert len(found) == 2 * 4 * 2
+    failures = failures_of([lab for _, lab in found], [[r[i] for i, _ in found] for r in world.results], world.P)
+    assert not failures, "\n".join(failures[:20])
+    placement = eplb_slot_placements(world.P)[0][2]
+    for i, (name, case, system) in found:
+        per_rank = [r[i] for r in world.results]
+        assert not plan_disagreements(name, system, case, per_rank, world.P, NODES[world.P], placement)
+    sent = {lab[0]: tuple(next(ev.rows_P for ev in r[i]["comm"] if ev.phase == "dispatch") for r in world.results)
+            for i, lab in found if lab[1].routing == "router"}
+    assert len({sent[f"rules[naive {rule}]"] for rule in ("round_robin", "local_first", "collaborative")}) > 1
 
 
 def received_max_over_mean(per_rank: list, P: int) -> float:

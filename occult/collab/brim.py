@@ -42,6 +42,7 @@ class Brim0:
     send_P: torch.Tensor        # SFD rows per destination device
     row_TK: torch.Tensor        # SFD row of each (token, k) pair, -1 for a dropped pair
     num_tokens: int
+    local_TK: torch.Tensor      # local slot (on its destination) of each (token, k) pair
 
     @property
     def index_PT(self) -> torch.Tensor:
@@ -69,19 +70,24 @@ def _positions(hit_AB: torch.Tensor) -> torch.Tensor:
     return torch.where(hit_AB, pos, torch.full_like(pos, -1))
 
 
-def build_brim0(topk_ids_TK: torch.Tensor, placement: Placement) -> Brim0:
+def build_brim0(topk_ids_TK: torch.Tensor, placement: Placement, home: int = 0) -> Brim0:
     """BRIM_0 from the top-k ids of this rank's tokens and the placement: the distinct
     (device, token) keys of the pairs, in (device, token) order, are the SFD rows (dropped
-    pairs, id -1, make none). This is also Occult's traffic plan: ``send_P``."""
+    pairs, id -1, make none). This is also Occult's traffic plan: ``send_P``. On a slot
+    placement (copies) a pair's device and slot are those of the copy its replica rule picks
+    for the sending rank ``home``; BRIM_1 and the SFD rows' e weights are then per slot."""
     T, K = topk_ids_TK.shape
     keep_TK = topk_ids_TK >= 0
     tok_TK = torch.arange(T, device=topk_ids_TK.device).unsqueeze(1).expand(T, K)
-    key_Q = placement.device_E[topk_ids_TK[keep_TK]] * T + tok_TK[keep_TK]
+    home_T = torch.full((T,), home, dtype=torch.long, device=topk_ids_TK.device)
+    device_TK, local_TK = placement.pair_local(topk_ids_TK, home_T)
+    key_Q = device_TK[keep_TK] * T + tok_TK[keep_TK]
     keys_R, row_Q = torch.unique(key_Q, sorted=True, return_inverse=True)
     row_TK = torch.full_like(topk_ids_TK, -1)
     row_TK[keep_TK] = row_Q
     device_R = keys_R // max(T, 1)
-    return Brim0(keys_R % max(T, 1), device_R, torch.bincount(device_R, minlength=placement.num_devices), row_TK, T)
+    return Brim0(keys_R % max(T, 1), device_R, torch.bincount(device_R, minlength=placement.num_devices), row_TK, T,
+                 local_TK)
 
 
 def build_brim1(uses_Re: torch.Tensor) -> Brim1:
@@ -103,10 +109,9 @@ def local_expert_weights(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tenso
     the weights' dtype, differentiable in the weights. Built from the (token, k) pairs
     through BRIM_0 (no dense [T, P, e] tensor)."""
     keep_TK = topk_ids_TK >= 0                                   # dropped pairs (id -1) are not sent
-    ids_Q = topk_ids_TK[keep_TK]
     row_Q = brim0.row_TK[keep_TK]                                # each pair's SFD row
     w_Re = topk_weights_TK.new_full((brim0.token_R.numel(), placement.num_local), UNUSED)
-    return w_Re.index_put((row_Q, placement.slot_E[ids_Q]), topk_weights_TK[keep_TK])
+    return w_Re.index_put((row_Q, brim0.local_TK[keep_TK]), topk_weights_TK[keep_TK])
 
 
 def uses_of(weights_Re: torch.Tensor) -> torch.Tensor:

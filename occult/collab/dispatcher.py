@@ -36,7 +36,7 @@ from ..ep import Exchange, Recorder, SplitDispatcher, all_to_all_rows, exchange_
 from ..ep.payload import wire_row_bytes
 from ..ep.plan import metadata_sends, returned, sends
 from ..ep.static import StaticConfig
-from ..ep.system import PayloadConfig
+from ..ep.system import PayloadConfig, ReplicaConfig
 from ..ep.accounting import span
 from ..ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
 from ..kernels import triton_available, use_triton
@@ -80,7 +80,7 @@ class OccultDispatcher(StaticSFD, SplitDispatcher):
     impl = "harness"
 
     @dataclass
-    class Config(StaticConfig, PayloadConfig):
+    class Config(StaticConfig, ReplicaConfig, PayloadConfig):
         kernels: str = "auto"    # auto (Triton on CUDA when installed, else by size) | torch | epd | triton
         accepts_dropped_pairs: ClassVar[bool] = True
 
@@ -129,7 +129,7 @@ class OccultDispatcher(StaticSFD, SplitDispatcher):
         rec = recorder
         D, e = x_TD.shape[1], self.placement.num_local
         with span(rec, layer, "occult_index"):
-            brim0 = build_brim0(topk_ids_TK, self.placement)
+            brim0 = build_brim0(topk_ids_TK, self.placement, self.ep.rank)
             w_Re = local_expert_weights(topk_ids_TK, topk_weights_TK.to(x_TD.dtype), self.placement, brim0)
             # ORI -> SFD: one copy per destination device, and after its D values the gate
             # weights of that device's e local experts (-1: not used): one row, one all-to-all
@@ -157,7 +157,7 @@ class OccultDispatcher(StaticSFD, SplitDispatcher):
         if self.config.is_static():
             return self.static_plan(topk_ids_TK, rank=rank, shape=shape)
         P, e = self.ep.world_size, self.placement.num_local
-        send_P = build_brim0(topk_ids_TK, self.placement).send_P
+        send_P = build_brim0(topk_ids_TK, self.placement, rank).send_P
         d_bytes, d_meta = wire_row_bytes(self.config.payload_of("dispatch"), shape.hidden, e, shape.element_bytes)
         c_bytes, c_meta = wire_row_bytes(self.config.payload_of("combine"), shape.hidden, 0, shape.element_bytes)
         return [metadata_sends("counts", rank, [1] * P, send_P.element_size()),

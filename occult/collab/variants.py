@@ -56,6 +56,7 @@ class OccultPlacedDispatcher(OccultDispatcher):
     class Config(PlacementFileConfig, OccultDispatcher.Config):
         # required: path of the placement artifact (JSON)
         placement_required: ClassVar[bool] = True
+        slot_placements: ClassVar[bool] = False     # its own placement file, one copy per expert
 
         def other_exact_paths(self) -> list:
             return []    # occult's kernel paths, which the parity suite checks on occult itself
@@ -113,6 +114,7 @@ class _PruningDispatcher(OccultDispatcher):
 
     @dataclass
     class Config(PlacementFileConfig, OccultDispatcher.Config):
+        slot_placements: ClassVar[bool] = False     # pruning by device on one copy per expert
         budget: int = 2              # N_d', devices per token (the paper tries 1, 2, 4)
         weight_rule: str = "own"     # gate weight of a substitute: own | replaced | renormalize (open)
         # false: no pruning (the routing unchanged; Occult with this config's placement, kernels

@@ -12,10 +12,11 @@ from .placement import AnyPlacement, Placement, SlotPlacement  # noqa: F401 (typ
 
 
 def sort_pairs_by_destination(topk_ids_TK: torch.Tensor, placement: AnyPlacement,
-                              keep_TK: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              keep_TK: Optional[torch.Tensor] = None, home: int = 0
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Orders the (token, k) pairs by (destination device, local slot). ``placement``: a
     :class:`Placement`, or a :class:`SlotPlacement` (each pair to the copy its replica rule
-    picks; e is then the slots per device).
+    picks for the pairs of sending rank ``home``; e is then the slots per device).
 
     Returns ``order_R`` (indices into the flattened [T*K] pairs; ``order_R // K``
     is the token) and ``send_Pe``, the number of pairs for each destination
@@ -24,7 +25,7 @@ def sort_pairs_by_destination(topk_ids_TK: torch.Tensor, placement: AnyPlacement
     and of the counts.
     """
     P, e = placement.num_devices, placement.num_local
-    device_TK, local_TK = placement.pair_local(topk_ids_TK)   # a slot placement: the round_robin copy
+    device_TK, local_TK = placement.pair_local(topk_ids_TK, home_of(topk_ids_TK, home))
     key_R = (device_TK * e + local_TK).flatten()
     left_out_R = (topk_ids_TK < 0).flatten()
     if keep_TK is not None:
@@ -34,6 +35,11 @@ def sort_pairs_by_destination(topk_ids_TK: torch.Tensor, placement: AnyPlacement
     counts = torch.bincount(key_R, minlength=P * e + 1)
     send_Pe = counts[:P * e].view(P, e)
     return order_R[:key_R.numel() - int(counts[P * e])], send_Pe
+
+
+def home_of(topk_ids_TK: torch.Tensor, rank: int) -> torch.Tensor:
+    """Every token's sending rank, ``rank``: [T] (what a replica rule decides by)."""
+    return torch.full((topk_ids_TK.shape[0],), rank, dtype=torch.long, device=topk_ids_TK.device)
 
 
 def expert_major_order(recv_Pe: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,12 @@ placement), T tokens, K top-k.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
+
+from .replica_rules import choose_slots
 
 
 @dataclass(frozen=True)
@@ -138,10 +140,12 @@ class SlotPlacement:
     device holds exactly e slots, every expert at least one, and a device's local slots are
     its slots in increasing s (EPLB's slot s is on device s // e: :meth:`from_phy2log`).
 
-    Which copy serves a pair is the static ``round_robin`` rule of vLLM and SGLang: the
-    i-th pair of expert x sent by one rank (counted in token-major (token, k) order) goes to
-    copy ``i mod copies(x)`` (copies in slot order). ``replicas_EP`` is always None (no
-    per-batch shadows on a slot placement).
+    Which copy serves a pair is ``replica_policy`` (:mod:`occult.ep.replica_rules`; ``slack``
+    is the ``collaborative`` rule's): by default the static ``round_robin`` rule of vLLM and
+    SGLang: the i-th pair of expert x sent by one rank (counted in token-major (token, k)
+    order) goes to copy ``i mod copies(x)`` (copies in slot order). A system with replica
+    options binds its rule when it is built. ``replicas_EP`` is always None (no per-batch
+    shadows on a slot placement).
     """
 
     expert_S: torch.Tensor
@@ -149,6 +153,8 @@ class SlotPlacement:
     num_devices: int
     num_experts: int
     replicas_EP: Optional[torch.Tensor] = None
+    replica_policy: str = "round_robin"
+    slack: float = 0.1
 
     def __post_init__(self) -> None:
         S, P, E = self.expert_S.numel(), self.num_devices, self.num_experts
@@ -210,27 +216,15 @@ class SlotPlacement:
         return table_EC
 
     def pair_slots(self, topk_ids_TK: torch.Tensor, home_T: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The slot that serves each (token, k) pair by ``round_robin``: [T, K] (-1 for a
-        dropped pair). ``home_T``: each token's sending rank when the pairs of several ranks
-        are concatenated (each rank counts its own pairs; default: one rank)."""
-        T, K = topk_ids_TK.shape
-        dev = topk_ids_TK.device
-        ids_R = topk_ids_TK.flatten()
-        keep_R = ids_R >= 0
-        home_R = (torch.zeros(T, dtype=torch.long, device=dev) if home_T is None
-                  else home_T.to(dev)).repeat_interleave(K)
-        key_R = torch.where(keep_R, home_R * self.num_experts + ids_R.clamp_min(0), torch.full_like(ids_R, -1))
-        order_R = torch.argsort(key_R, stable=True)
-        sorted_key_R = key_R[order_R]
-        pos_R = torch.arange(ids_R.numel(), device=dev)
-        first_R = torch.searchsorted(sorted_key_R, sorted_key_R)       # first position of each key
-        index_R = torch.empty_like(pos_R)
-        index_R[order_R] = pos_R - first_R                              # i: the pair's index in its group
-        table_EC = self.copy_table_EC().to(dev)
-        copies_E = self.copies_E().to(dev)
-        e_R = ids_R.clamp_min(0)
-        slot_R = table_EC[e_R, index_R % copies_E[e_R]]
-        return torch.where(keep_R, slot_R, torch.full_like(slot_R, -1)).view(T, K)
+        """The slot that serves each (token, k) pair by this placement's replica rule
+        (:mod:`occult.ep.replica_rules`): [T, K] (-1 for a dropped pair). ``home_T``: each
+        token's sending rank when the pairs of several ranks are concatenated (each rank
+        decides its own pairs; default: one rank, rank 0)."""
+        return choose_slots(self, topk_ids_TK, home_T, self.replica_policy, self.slack)
+
+    def with_rule(self, replica_policy: str, slack: float = 0.1) -> "SlotPlacement":
+        """The same slots with another replica rule."""
+        return replace(self, replica_policy=replica_policy, slack=slack)
 
     def pair_local(self, topk_ids_TK: torch.Tensor, home_T: Optional[torch.Tensor] = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +242,7 @@ class SlotPlacement:
         device = torch.device(device)
         if self.expert_S.device == device:
             return self
-        return SlotPlacement(self.expert_S.to(device), self.device_S.to(device), self.num_devices, self.num_experts)
+        return replace(self, expert_S=self.expert_S.to(device), device_S=self.device_S.to(device))
 
     def is_contiguous(self) -> bool:
         """Whether this is the contiguous placement (one copy each, expert i in slot i)."""

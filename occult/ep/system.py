@@ -30,6 +30,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from ..errors import ConfigError
 from .payload import PAYLOADS
 from .placement import Placement
+from .replica_rules import REPLICA_POLICIES
 
 if TYPE_CHECKING:          # the collectives' group, for typing only: comm.py is below systems' configs
     from .comm import EPGroup
@@ -152,7 +153,12 @@ class SystemConfig:
         """This rank's system for MoE layer ``layer``: a dispatcher with the layer's
         placement (``placement`` overrides it), or None for a system without one."""
         placement = (placement or self.layer_placement(layer, num_experts, ep.world_size)).to(ep.device)
-        return self.system_class()(ep, placement, self)
+        return self.system_class()(ep, self.bind_placement(placement), self)
+
+    def bind_placement(self, placement):
+        """The placement the system runs on (a system with a replica rule binds it to a slot
+        placement: :class:`ReplicaConfig`); this one as it is by default."""
+        return placement
 
 
 @dataclass
@@ -189,6 +195,37 @@ class PayloadConfig(SystemConfig):
 
     def is_exact(self) -> bool:
         return not self.compressed() and super().is_exact()
+
+
+@dataclass
+class ReplicaConfig(SystemConfig):
+    """Options mixin of a system that runs on a slot placement (copies of experts,
+    :class:`occult.ep.placement.SlotPlacement`): which copy serves each pair
+    (:mod:`occult.ep.replica_rules`). On a placement without copies every rule is the
+    placement's one device per expert (the run logs a note, :meth:`replica_note`)."""
+
+    slot_placements: ClassVar[bool] = True
+    replica_policy: str = "round_robin"    # round_robin | local_first | grace | collaborative
+    slack: float = 0.1                     # collaborative: per-device cap (1 + slack) x mean load
+
+    def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+        super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+        if self.replica_policy not in REPLICA_POLICIES:
+            raise ValueError(f"system.replica_policy={self.replica_policy!r}: allowed values are "
+                             f"{list(REPLICA_POLICIES)}")
+        if not self.slack >= 0:
+            raise ValueError(f"system.slack={self.slack}: must be >= 0 (the collaborative rule's per-device "
+                             "load cap is (1 + slack) x the mean)")
+
+    def bind_placement(self, placement):
+        return placement.with_rule(self.replica_policy, self.slack) if hasattr(placement, "with_rule") else placement
+
+    def replica_note(self, has_copies: bool) -> str:
+        """A note for a replica rule that has nothing to choose ("" otherwise)."""
+        if has_copies or self.replica_policy == "round_robin":
+            return ""
+        return (f"system.replica_policy={self.replica_policy} has no effect here: the placement has no copies "
+                "(task.placement=eplb with task.num_redundant > 0 makes some; not an error)")
 
 
 def system_schema(cls: type) -> type:

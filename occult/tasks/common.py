@@ -178,8 +178,8 @@ def rows_per_token_row(rows: int, tokens: int, layer: int, phase: str, direction
 
 
 def routing_rows(ctx, rec: Recorder, placement) -> list:
-    """C_T (all, remote), intra-collaboration ratio and rows per token, per rank and
-    over all ranks (``rank=-1``, from an all-gather of every rank's top-k ids), computed
+    """C_T (all, remote), intra-collaboration ratio, rows per token and the experts each rank
+    holds (``expert_slots``, copies included), per rank and over all ranks (``rank=-1``, from an all-gather of every rank's top-k ids), computed
     on the host after the timed work. ``placement``: one Placement, or {layer: Placement}."""
     out = []
     per_layer: dict = {}
@@ -200,6 +200,8 @@ def routing_rows(ctx, rec: Recorder, placement) -> list:
             if ctx.rank == 0:
                 out += rows_per_token_row(total[0].item(), total[1].item(), layer, phase, direction)
         out += load_rows(ctx, rec.comm, ids, layer, pl.num_experts)
+        # expert memory: the experts this rank holds, copies included (x 3 D F weights each)
+        out.append(row("expert_slots", pl.num_local, "experts", layer=layer, rank=ctx.rank))
     return out
 
 

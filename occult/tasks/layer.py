@@ -89,7 +89,12 @@ def rank_workload(cfg, rank: int, world_size: int, seed: int) -> torch.Tensor:
 
 
 def profiling_load(cfg, world_size: int) -> torch.Tensor:
-    """Pairs per expert [E] on a profiling set: every rank's routing of the run's workload
+    """Pairs per expert [E] on the profiling set of :func:`profiling_ids`."""
+    return torch.bincount(profiling_ids(cfg, world_size).flatten(), minlength=cfg.model.num_experts).double()
+
+
+def profiling_ids(cfg, world_size: int) -> torch.Tensor:
+    """The top-k ids [N, K] of a profiling set: every rank's routing of the run's workload
     drawn from seed + 1 (a trace: the trace itself; router routing: the layer's router on
     seeded tokens of seed + 1), computed alike in every process (no communication)."""
     m, t = cfg.model, cfg.task
@@ -105,7 +110,7 @@ def profiling_load(cfg, world_size: int) -> torch.Tensor:
     else:
         g = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
         ids_NK = sample_topk(T * world_size, m.top_k, expert_popularity(t.routing, E, t.zipf_s), g)
-    return torch.bincount(ids_NK.flatten(), minlength=E).double()
+    return ids_NK
 
 
 def task_placement(ctx, cfg):
@@ -115,19 +120,31 @@ def task_placement(ctx, cfg):
     t = cfg.task
     if t.placement == "contiguous":
         return None
-    from ..placement.eplb import (built_by_eplb, eplb_placements, load_slot_placements,
-                                  save_slot_placements)
-    if t.placement != "eplb":
+    from ..placement.eplb import load_slot_placements, save_slot_placements
+    if t.placement not in ("eplb", "eplb_affinity"):
         placements, _ = load_slot_placements(t.placement)
         return placements[min(placements)]
-    load_E = profiling_load(cfg, ctx.world_size)
-    placements = eplb_placements({0: load_E}, t.num_redundant, ctx.world_size, ctx.ep.devices_per_node)
+    ids_NK = profiling_ids(cfg, ctx.world_size)
+    load_E = torch.bincount(ids_NK.flatten(), minlength=cfg.model.num_experts).double()
+    placements, built_by = slot_placements_of(t, {0: ids_NK}, {0: load_E}, ctx)
     if ctx.rank == 0:
-        save_slot_placements(Path(cfg.get("out_dir_resolved") or ".") / "placement_eplb.json", placements,
-                             built_by_eplb(), {"profiling": f"task.routing={t.routing}, seed {cfg.seed + 1}, "
-                                               f"{t.tokens_per_rank} tokens per rank",
-                                               "load_E": load_E.tolist(), "num_redundant": t.num_redundant})
+        save_slot_placements(Path(cfg.get("out_dir_resolved") or ".") / f"placement_{t.placement}.json", placements,
+                             built_by, {"profiling": f"task.routing={t.routing}, seed {cfg.seed + 1}, "
+                                        f"{t.tokens_per_rank} tokens per rank",
+                                        "load_E": load_E.tolist(), "num_redundant": t.num_redundant})
     return placements[0]
+
+
+def slot_placements_of(t, ids_by_layer: dict, load_by_layer: dict, ctx) -> tuple[dict, dict]:
+    """``({layer: SlotPlacement}, built_by)`` for ``task.placement`` eplb (EPLB from the loads)
+    or eplb_affinity (EPLB's counts packed with co-activation, ``task.affinity_weight``)."""
+    if t.placement == "eplb_affinity":
+        from ..placement.affinity import affinity_placements, built_by_affinity
+        E = next(iter(load_by_layer.values())).numel()
+        return (affinity_placements(ids_by_layer, E, t.num_redundant, ctx.world_size, ctx.ep.devices_per_node,
+                                    t.affinity_weight), built_by_affinity(t.affinity_weight))
+    from ..placement.eplb import built_by_eplb, eplb_placements
+    return eplb_placements(load_by_layer, t.num_redundant, ctx.world_size, ctx.ep.devices_per_node), built_by_eplb()
 
 
 def run_rank(ctx, cfg_dict: dict) -> list:

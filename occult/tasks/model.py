@@ -75,8 +75,9 @@ def task_placements(ctx, cfg, model, tok) -> dict:
     t = getattr(cfg.task, "placement", "contiguous")
     if t == "contiguous":
         return {}
-    from ..placement.eplb import built_by_eplb, eplb_placements, load_slot_placements, save_slot_placements
-    if t != "eplb":
+    from ..placement.eplb import load_slot_placements, save_slot_placements
+    from .layer import slot_placements_of
+    if t not in ("eplb", "eplb_affinity"):
         return load_slot_placements(t)[0]
     from ..models.families import family_of
     from .profiling import route_text
@@ -86,14 +87,15 @@ def task_placements(ctx, cfg, model, tok) -> dict:
     routed = route_text(on_host, family_of(cfg.model.family), token_ids(cfg.task.corpus, "train", tok), n,
                         cfg.task.seq_len, cfg.seed + 1)
     E = cfg.model.num_experts
-    loads = {layer: torch.bincount(ids_NK.flatten(), minlength=E).double() for layer, (ids_NK, _, _) in routed.items()}
-    placements = eplb_placements(loads, cfg.task.num_redundant, ctx.world_size, ctx.ep.devices_per_node)
+    ids = {layer: ids_NK for layer, (ids_NK, _, _) in routed.items()}
+    loads = {layer: torch.bincount(ids_NK.flatten(), minlength=E).double() for layer, ids_NK in ids.items()}
+    placements, built_by = slot_placements_of(cfg.task, ids, loads, ctx)
     if ctx.rank == 0:
-        save_slot_placements(Path(cfg.get("out_dir_resolved") or ".") / "placement_eplb.json", placements,
-                             built_by_eplb(), {"profiling": f"the model's routers on {n} tokens of the train split "
-                                               f"of {cfg.task.corpus}, seed {cfg.seed + 1}",
-                                               "load_LE": {str(k): v.tolist() for k, v in loads.items()},
-                                               "num_redundant": cfg.task.num_redundant})
+        save_slot_placements(Path(cfg.get("out_dir_resolved") or ".") / f"placement_{t}.json", placements,
+                             built_by, {"profiling": f"the model's routers on {n} tokens of the train split "
+                                        f"of {cfg.task.corpus}, seed {cfg.seed + 1}",
+                                        "load_LE": {str(k): v.tolist() for k, v in loads.items()},
+                                        "num_redundant": cfg.task.num_redundant})
     return placements
 
 

@@ -162,7 +162,7 @@ class LayerInputs(TaskConf):
             raise ConfigError(err)
 
 
-PLACEMENTS = ("contiguous", "eplb")
+PLACEMENTS = ("contiguous", "eplb", "eplb_affinity")
 
 
 @dataclass
@@ -170,11 +170,15 @@ class Placed(TaskConf):
     """Where the experts sit: ``placement``: ``contiguous`` (the system's own placement),
     ``eplb`` (physical slots built by DeepSeek's EPLB from the loads of a profiling set, with
     ``num_redundant`` extra slots: :mod:`occult.placement.eplb`; the artifact is written to the
-    run folder as ``placement_eplb.json``), or the path of a slot placement artifact. Systems
-    whose config says ``slot_placements`` run on slots (``naive``)."""
+    run folder as ``placement_eplb.json``), ``eplb_affinity`` (EPLB's replica counts, the slots
+    packed onto GPUs by load with a co-activation bonus of weight ``affinity_weight``:
+    :mod:`occult.placement.affinity`; ``placement_eplb_affinity.json``), or the path of a slot
+    placement artifact. Systems
+    whose config says ``slot_placements`` run on slots (``naive``, ``occult``)."""
 
     placement: str = "contiguous"
     num_redundant: int = 0
+    affinity_weight: float = 0.25       # eplb_affinity: the co-activation bonus (occult.placement.affinity)
 
     def check(self) -> None:
         super().check()
@@ -183,12 +187,26 @@ class Placed(TaskConf):
                               "path of a slot placement artifact (.json)")
         if self.num_redundant < 0:
             raise ConfigError(f"task.num_redundant={self.num_redundant}: must be >= 0 (extra physical slots)")
+        if not self.affinity_weight >= 0:
+            raise ConfigError(f"task.affinity_weight={self.affinity_weight}: must be >= 0")
 
     def unread(self) -> Dict[str, str]:
         out = super().unread()
-        if self.placement != "eplb":
-            out["num_redundant"] = "read only with task.placement=eplb"
+        if self.placement not in ("eplb", "eplb_affinity"):
+            out["num_redundant"] = "read only with task.placement=eplb or eplb_affinity"
+        if self.placement != "eplb_affinity":
+            out["affinity_weight"] = "read only with task.placement=eplb_affinity"
         return out
+
+    def has_copies(self) -> bool:
+        """Whether the placement holds copies of some expert (EPLB's with redundant slots, or
+        an artifact with copies)."""
+        if self.placement == "contiguous":
+            return False
+        if self.placement in ("eplb", "eplb_affinity"):
+            return self.num_redundant > 0
+        from ..placement.eplb import load_slot_placements
+        return any(bool((pl.copies_E() > 1).any()) for pl in load_slot_placements(self.placement)[0].values())
 
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
@@ -201,9 +219,9 @@ class Placed(TaskConf):
         if config is None or not config.slot_placements:
             name = config.name if config is not None else f"task={self.name}"
             raise ConfigError(f"task.placement={self.placement!r}: system {name} does not run on physical slots "
-                              "(systems that do: naive)")
+                              "(systems that do: naive, occult)")
         E, P = cfg.model.num_experts, cfg.cluster.world_size
-        if self.placement == "eplb":
+        if self.placement in ("eplb", "eplb_affinity"):
             err = num_redundant_error(self.num_redundant, E, P)
             if err:
                 raise ConfigError(err)
@@ -538,6 +556,57 @@ class PlaceTask(RoutedWorld):
         if self.optimiser != "swap_search":
             out["time_limit_s"] = "read only with task.optimiser=swap_search"
         return out
+
+
+@dataclass
+class PlacementLoadTask(RoutedWorld):
+    """task=placement_load: C_T and load of every placement and replica rule for a world that
+    is computed in one process (:mod:`occult.tasks.placement_load`). The routing of
+    :class:`RoutedWorld` (the placements built from ``profiling_split``, judged on ``split``),
+    or ``max_over_mean`` > 0: the ``imbalance`` workload at that target (profiling set drawn
+    at seed + 1). Occult's optimisers run at ``load_cap``, swap_search for ``time_limit_s``
+    per layer; the affinity-aware EPLB packing at ``affinity_weight``."""
+
+    max_over_mean: float = 0.0          # > 0: the imbalance workload at this received max / mean
+    profiling_split: str = "train"
+    load_cap: Optional[float] = 1.25
+    time_limit_s: float = 2.0
+    affinity_weight: float = 0.25
+
+    entry: ClassVar[str] = "occult.tasks.placement_load.run_rank"
+    uses_system: ClassVar[bool] = False          # it plans naive and occult itself
+
+    def check(self) -> None:
+        super().check()
+        if self.max_over_mean and self.max_over_mean < 1.0:
+            raise ConfigError(f"task.max_over_mean={self.max_over_mean}: allowed values are 0 (the routing) or "
+                              ">= 1.0 (the imbalance workload)")
+        if self.load_cap is not None and self.load_cap < 1.0:
+            raise ConfigError(f"task.load_cap={self.load_cap}: allowed values are null (no cap) or a number >= 1.0")
+        if self.time_limit_s <= 0:
+            raise ConfigError(f"task.time_limit_s={self.time_limit_s}: must be > 0 seconds")
+        if not self.affinity_weight >= 0:
+            raise ConfigError(f"task.affinity_weight={self.affinity_weight}: must be >= 0")
+
+    def unread(self) -> Dict[str, str]:
+        out = super().unread()
+        if self.max_over_mean:
+            for name in ("routing", "profiling_split", "sample_layers", "zipf_s", "trace", "source_tokens", "corpus",
+                         "split", "seq_len", "routers", "synthetic_tokens", "total_tokens"):
+                out.setdefault(name, "not read with task.max_over_mean set (the imbalance workload)")
+        elif self.routing != "router":
+            out["profiling_split"] = "read only with task.routing=router"
+        return out
+
+    def check_run(self, cfg) -> None:
+        if self.max_over_mean:
+            from ..workloads import max_over_mean_error
+            err = max_over_mean_error(self.max_over_mean, cfg.model.num_experts, cfg.model.top_k,
+                                      cfg.cluster.world_size)
+            if err:
+                raise ConfigError(err)
+            return
+        super().check_run(cfg)
 
 
 @dataclass
