@@ -11,6 +11,7 @@ Shapes: T tokens, D hidden, E experts, K top-k, P ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -220,7 +221,8 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     weights after data-parallel averaging; experts against the reference's slice, a copied
     expert's after the sum over its copies).
 
-    ``cfg_dict`` holds ``model``, ``system`` and ``seed``; weights are random (seeded);
+    ``cfg_dict`` holds ``model``, ``system`` and ``seed`` (and optionally ``task``:
+    ``microbatches`` co-executed, ``grad_sync``'s schedule); weights are random (seeded);
     ``placements``: ``{layer: placement}`` overriding the system's (e.g. EPLB's slots).
     """
     import copy
@@ -230,7 +232,8 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     from .ep.accounting import recording
     from .models.build import moe_blocks
     from .models.families import expert_weights_from_block, family_of
-    from .models.runtime import base_model, make_rank_model, sync_gradients
+    from .models.grad_sync import GradSync
+    from .models.runtime import base_model, forward_micro_batches, make_rank_model, micro_batches
 
     cfg = OmegaConf.create(cfg_dict)
     fam = family_of(cfg.model.family)
@@ -244,11 +247,16 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     ref_out = ref(input_ids=ids_all, labels=ids_all)
     ref_out.loss.backward()
     rec = Recorder(rank=rank)
+    task = cfg_dict.get("task", {})          # the schedules under test: micro-batches, gradient sync
+    sync = GradSync(ctx, model, task.get("grad_sync", "end"),
+                    **{k: task[k] for k in ("bucket_bytes", "partition_bytes") if k in task})
+    ids_m = micro_batches(ids, task.get("microbatches", 1))
     with recording(rec):
-        out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    sync_gradients(ctx, model)
-    loss = out.loss.detach().clone()
+        outs = forward_micro_batches(model, ctx.device, [{"input_ids": x, "labels": x} for x in ids_m])
+    losses = [out.loss * (x.shape[0] / ids.shape[0]) for out, x in zip(outs, ids_m)]
+    synced = sync.backward(losses)
+    out = SimpleNamespace(logits=torch.cat([o.logits for o in outs]))
+    loss = sum(l.detach() for l in losses)
     if P > 1:
         dist.all_reduce(loss, group=ctx.ep.group)
         loss /= P
@@ -277,7 +285,9 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     sent = {}
     for ev in rec.comm:
         sent[(ev.phase, ev.direction)] = sent.get((ev.phase, ev.direction), 0) + sum(ev.rows_P)
-    return {"errors": errors, "sent_rows": sent,
+    return {"errors": errors, "sent_rows": sent, "grad_sync": synced,
+            "exposed_comm_spans": sum(name == "exposed_comm" for _, name, _, _ in rec.spans),
+            "forward_collectives": sum(ev.direction == "forward" for ev in rec.comm),
             "routing": [(layer, ids_TK) for layer, ids_TK, *_ in rec.routing]}
 
 

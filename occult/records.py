@@ -55,7 +55,9 @@ LATER_KEYS = {"cluster.devices_per_node": 0, "cluster.single_rank_collectives": 
               # the load workloads and EPLB's placements (task.trace is left out: task=simulate
               # has hashed its null since before)
               "task.max_over_mean": 2.0, "task.incast_device": 0, "task.incast_share": 0.5,
-              "task.placement": "contiguous", "task.num_redundant": 0}
+              "task.placement": "contiguous", "task.num_redundant": 0,
+              # micro-batch co-execution and the gradient sync's schedule (issue 28)
+              "task.microbatches": 1, "task.grad_sync": "end"}
 # tables written before a column existed: the value their runs had (``dtype``: the harness's
 # default element type; runs in bfloat16 then were the GPU check's)
 LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32", "trace_sha256": "", "placement": "", "expert": -1}

@@ -102,14 +102,47 @@ def test_ep_models_match_single_device(P):
     jobs = [({"model": tiny(n), "system": {"name": s, "_target_": t}, "seed": 1}, 2, 8)
             for n in PROXIES for s, t in SYSTEMS]
     jobs += eplb_model_jobs(P)
+    jobs += schedule_jobs()
     per_rank = launch(run_model_grid, P, (jobs,), timeout_s=360)
     for rank, results in enumerate(per_rank):
         for (cfg, *_), res in zip(jobs, results):
             bad = {k: v for k, v in res["errors"].items() if not v < 2e-5}
-            assert not bad, (P, rank, cfg["model"]["name"], cfg["system"]["name"], bad)
+            assert not bad, (P, rank, cfg["model"]["name"], cfg["system"]["name"], cfg.get("task"), bad)
             moe_layers = {layer for layer, _ in res["routing"]}
             first_dense = cfg["model"].get("first_k_dense", 0)
             assert moe_layers == set(range(first_dense, cfg["model"]["num_layers"]))
+        check_schedules(jobs, results)
+
+
+# the schedules (issue 28) on the OLMoE proxy: two co-executed micro-batches, and the
+# gradient sync's three modes (small buckets and partitions, so that several start during the
+# backward); each against the single-device model like every job above
+SCHEDULES = [("naive", {"microbatches": 2}), ("occult", {"microbatches": 2, "grad_sync": "overlap",
+                                                          "bucket_bytes": 4096}),
+             ("naive", {"grad_sync": "lina", "bucket_bytes": 4096, "partition_bytes": 1024})]
+
+
+def schedule_jobs() -> list:
+    targets = dict(SYSTEMS)
+    return [({"model": tiny("olmoe_proxy"), "system": {"name": s, "_target_": targets[s]}, "seed": 1, "task": t}, 2, 8)
+            for s, t in SCHEDULES]
+
+
+def check_schedules(jobs: list, results: list) -> None:
+    """Co-executed micro-batches send what the whole batch sends and time every forward
+    collective's exposed part; overlap and lina start all-reduces before the backward ends
+    (lina in more, smaller calls)."""
+    by = {(cfg["model"]["name"], cfg["system"]["name"], tuple(sorted(cfg.get("task", {}).items())), len(more)): res
+          for (cfg, *more), res in zip(jobs, results)}
+    whole, split = by[("olmoe_proxy", "naive", (), 2)], by[("olmoe_proxy", "naive", (("microbatches", 2),), 2)]
+    tokens = lambda res: {k: v for k, v in res["sent_rows"].items() if k[0] != "counts"}   # counts: one per micro-batch
+    assert tokens(split) == tokens(whole) and whole["exposed_comm_spans"] == 0
+    assert split["exposed_comm_spans"] == split["forward_collectives"] == 2 * whole["forward_collectives"] > 0
+    synced = [res["grad_sync"] for (cfg, *_), res in zip(jobs, results) if cfg.get("task", {}).get("grad_sync")]
+    (overlap, lina), end = synced, whole["grad_sync"]
+    assert end == {"allreduces": 1, "started_in_backward": 0}
+    assert 0 < overlap["started_in_backward"] <= overlap["allreduces"] < lina["allreduces"]
+    assert 0 < lina["started_in_backward"]
 
 
 def eplb_model_jobs(P: int) -> list:

@@ -27,7 +27,9 @@ EVERY_FIELD = ["tokens_per_rank", "routing", "zipf_s", "warmup", "iters", "backw
                "placement", "num_redundant",                        # EPLB's slot placements
                "total_tokens", "routers", "sample_layers", "synthetic_tokens",   # the scale study's worlds
                "optimiser", "load_cap", "time_limit_s",             # task=place
-               "profiling_split", "affinity_weight"]                # task=placement_load
+               "profiling_split", "affinity_weight",                # task=placement_load
+               "microbatches", "grad_sync",                         # the schedules (issue 28)
+               "cuda_graph"]                                        # static decode in a CUDA graph
 
 
 def cfg_with(*overrides):
@@ -71,11 +73,24 @@ def test_a_field_the_task_does_not_read_is_refused_in_one_line(name):
     (["task=finetune", "task.steps=0", "task.lr=0.1"], "task.lr=0.1: task=finetune does not read it here"),
     (["task=calibrate", "task.iters=2"], "task.iters=2: must be at least 3"),
     (["task=bench_model", "task.workload=score"], "task.workload='score': allowed values are"),
+    (["task=prefill", "task.microbatches=0"], "task.microbatches=0: allowed values are 1..task.batch_size=4"),
+    (["task=train", "task.batch_size=2", "task.microbatches=3"],
+     "task.microbatches=3: allowed values are 1..task.batch_size=2"),
+    (["task=decode", "task.microbatches=2", "task.sync_collectives=true"],
+     "task.sync_collectives=true: a barrier before every collective stops the micro-batches' overlap"),
+    (["task=train", "task.grad_sync=ring"], "task.grad_sync='ring': allowed values are ['end', 'overlap', 'lina']"),
 ])
 def test_a_field_these_values_leave_unread_is_refused_at_validation(overrides, line):
     with pytest.raises(ConfigError) as err:
         validate(cfg_with(*overrides))
     assert str(err.value).startswith(line) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("task", ["prefill", "decode", "layer", "bench_model"])
+def test_a_gradient_sync_on_a_task_that_does_not_train_is_refused_in_one_line(task):
+    with pytest.raises(ConfigCompositionException) as err:
+        cfg_with(f"task={task}", "task.grad_sync=lina")
+    assert describe(err.value).startswith(f"task.grad_sync: task={task} does not read it; its fields: ")
 
 
 def test_the_values_that_read_a_field_are_accepted():

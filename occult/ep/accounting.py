@@ -17,8 +17,9 @@ from typing import Optional
 
 import torch
 
-from .measure import clock
+from .measure import between, clock, mark
 from .placement import Placement
+from .strands import current_strand
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,19 @@ class Recorder:
 
     @contextmanager
     def span(self, layer: int, name: str, direction: str = "forward"):
-        """Times the enclosed block on this rank (:func:`occult.ep.measure.clock`)."""
-        t0 = clock()
+        """Times the enclosed block on this rank (:func:`occult.ep.measure.clock`; in a
+        co-executed strand between marks, read once every strand has ended: the span then
+        holds the turns the other strands took inside it, :mod:`occult.ep.strands`)."""
+        strand = current_strand()
+        t0 = mark() if strand is not None else clock()
         try:
             yield
         finally:
-            self.spans.append((layer, name, direction, clock() - t0))
+            if strand is not None:
+                end = mark()
+                strand.later(lambda: self.spans.append((layer, name, direction, between(t0, end))))
+            else:
+                self.spans.append((layer, name, direction, clock() - t0))
 
     def log_counter(self, layer: int, name: str, value: float) -> None:
         self.counters.append((layer, name, float(value)))

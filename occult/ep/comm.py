@@ -36,6 +36,7 @@ Shapes: R rows, D the rest of a row's shape, P ranks.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from .accounting import Recorder
 from .measure import barrier, between, clock, mark
 from .payload import decode, encode, meta_bytes_per_row
+from .strands import current_strand
 
 ALL_TO_ALL, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE = (
     "all_to_all", "all_gather", "reduce_scatter", "broadcast", "reduce")
@@ -125,6 +127,13 @@ def _log(where: Exchange, direction: str, collective: str, rows_P, x: torch.Tens
     seconds (called only with ``Recorder.raw_replay``); ``valid_P``: of ``rows_P``, the valid
     rows (a device tensor, kept as it is until :meth:`Recorder.settle`)."""
     rec = where.recorder
+    strand = current_strand()
+    if rec is not None and strand is not None and seconds is None:
+        # a co-executed strand: its start and end are marks, read once every strand has ended
+        end = mark()
+        strand.later(lambda: _log(where, direction, collective, rows_P, x, t0, wait, meta_row_bytes,
+                                  seconds=between(t0, end)))
+        return
     if rec is not None:
         seconds = clock() - t0 if seconds is None else seconds
         if where.metadata:
@@ -138,19 +147,58 @@ def _log(where: Exchange, direction: str, collective: str, rows_P, x: torch.Tens
 
 
 def _start(ep: EPGroup, where: Exchange) -> tuple[float, float]:
-    """(barrier wait, start time) of a collective (the barrier only with sync_collectives)."""
+    """(barrier wait, start time) of a collective (the barrier only with sync_collectives;
+    in a co-executed strand the start is a mark: :mod:`occult.ep.strands`)."""
+    if current_strand() is not None:
+        return 0.0, mark()
     rec = where.recorder
     wait = barrier(ep) if rec is not None and rec.sync_collectives else 0.0
     return wait, clock()
 
 
-def _a2a(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup) -> torch.Tensor:
+# something told before and after every collective of this module (None: nothing): a
+# gradient all-reduce scheduler that yields the links to the MoE layers' exchanges
+# (occult.models.grad_sync, task.grad_sync=lina). Process-wide, not per thread: the
+# autograd engine runs a CUDA backward's collectives on a thread of its own.
+_GUARD = None
+
+
+@contextmanager
+def collective_guard(guard):
+    """While the block runs, ``guard.before()`` precedes every collective of this module and
+    ``guard.after()`` follows it (``guard`` None: nothing)."""
+    global _GUARD
+    previous, _GUARD = _GUARD, guard
+    try:
+        yield
+    finally:
+        _GUARD = previous
+
+
+def _backend(where: Exchange, direction: str, fn, *args, **kwargs) -> None:
+    """Runs one backend collective ``fn(*args, **kwargs)``; in a co-executed strand
+    (:mod:`occult.ep.strands`) asynchronously, the turn handed to the other strands while
+    it is in flight; between a guard's ``before`` and ``after`` (:func:`collective_guard`)."""
+    guard = _GUARD
+    if guard is not None:
+        guard.before()
+    strand = current_strand()
+    if strand is None:
+        fn(*args, **kwargs)
+    else:
+        strand.await_work(fn(*args, async_op=True, **kwargs), where, direction)
+    if guard is not None:
+        guard.after()
+
+
+def _a2a(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where: Exchange,
+         direction: str) -> torch.Tensor:
     x_RD = x_RD.contiguous()
     out = x_RD.new_empty((sum(recv_P),) + tuple(x_RD.shape[1:]))
     if ep.local_only:
         out.copy_(x_RD)
     else:
-        dist.all_to_all_single(out, x_RD, list(recv_P), list(send_P), group=ep.group)
+        _backend(where, direction, dist.all_to_all_single, out, x_RD, list(recv_P), list(send_P), group=ep.group)
     return out
 
 
@@ -162,7 +210,7 @@ def _exchange(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup, where
     device tensor [P]; fixed buffers, :func:`all_to_all_fixed`)."""
     wait, t0 = _start(ep, where)
     x_RD = x_RD.contiguous()
-    out = _a2a(x_RD, send_P, recv_P, ep)
+    out = _a2a(x_RD, send_P, recv_P, ep, where, direction)
     _log(where, direction, ALL_TO_ALL, send_P, x_RD, t0, wait, meta_row_bytes,
          replay=lambda: _raw_seconds(x_RD, out, send_P, recv_P, ep),
          valid_P=None if valid_P is None or where.recorder is None else valid_P(out))
@@ -317,9 +365,9 @@ def _gather(x_RD: torch.Tensor, counts_P: list, ep: EPGroup, where: Exchange, di
         out = x_RD.clone()
     elif len(set(counts_P)) == 1:
         out = x_RD.new_empty((sum(counts_P),) + tuple(x_RD.shape[1:]))
-        dist.all_gather_single(out, x_RD, group=ep.group)
+        _backend(where, direction, dist.all_gather_single, out, x_RD, group=ep.group)
     else:   # unequal counts: gloo's all-gather refuses them; the same rows through an all-to-all
-        out = _a2a(x_RD.repeat((P,) + (1,) * (x_RD.dim() - 1)), [mine] * P, counts_P, ep)
+        out = _a2a(x_RD.repeat((P,) + (1,) * (x_RD.dim() - 1)), [mine] * P, counts_P, ep, where, direction)
     _log(where, direction, ALL_GATHER, [mine] * P, x_RD, t0, wait)
     return out
 
@@ -333,7 +381,7 @@ def _scatter_sum(x_RD: torch.Tensor, counts_P: list, ep: EPGroup, where: Exchang
         out = x_RD.clone()
     else:
         out = x_RD.new_empty((counts_P[ep.rank],) + tuple(x_RD.shape[1:]))
-        dist.reduce_scatter(out, list(torch.split(x_RD, counts_P)), group=ep.group)
+        _backend(where, direction, dist.reduce_scatter, out, list(torch.split(x_RD, counts_P)), group=ep.group)
     _log(where, direction, REDUCE_SCATTER, counts_P, x_RD, t0, wait)
     return out
 
@@ -392,7 +440,8 @@ def _broadcast(buf_RD: torch.Tensor, src: int, ep: EPGroup, where: Exchange, dir
     wait, t0 = _start(ep, where)
     out = buf_RD.contiguous().clone()
     if not ep.local_only:
-        dist.broadcast(out, src=src, group=ep.group)     # src: a global rank (the group spans the world)
+        # src: a global rank (the group spans the world)
+        _backend(where, direction, dist.broadcast, out, src=src, group=ep.group)
     rows_P = [out.shape[0] if ep.rank == src else 0] * P
     _log(where, direction, BROADCAST, rows_P, out, t0, wait)
     return out
@@ -404,7 +453,7 @@ def _reduce(x_RD: torch.Tensor, dst: int, ep: EPGroup, where: Exchange, directio
     wait, t0 = _start(ep, where)
     out = x_RD.contiguous().clone()
     if not ep.local_only:
-        dist.reduce(out, dst=dst, group=ep.group)
+        _backend(where, direction, dist.reduce, out, dst=dst, group=ep.group)
     rows_P = [out.shape[0] if j == dst else 0 for j in range(P)]
     _log(where, direction, REDUCE, rows_P, out, t0, wait)
     return out if ep.rank == dst else torch.zeros_like(out)

@@ -1,5 +1,6 @@
-"""A model on one rank: building it for the configured system, and data-parallel
-gradient synchronisation for its replicated weights.
+"""A model on one rank: building it for the configured system, running micro-batches
+as co-executed strands, and (from :mod:`occult.models.grad_sync`) data-parallel gradient
+synchronisation for its replicated weights.
 
 Under expert parallelism each rank holds its own experts (their gradients arrive
 through the backward all-to-alls) and a replica of everything else (whose
@@ -8,17 +9,17 @@ step on the concatenated batch of all ranks.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..ep import system_config
-from ..ep.replicas import sum_replica_gradients
+from ..ep.strands import co_execute
 from .build import hf_config, init_model, load_checkpoint, to_expert_parallel
-from .ep_block import EPMoEBlock
 from .families import family_of, gate_rule
+from .grad_sync import expert_parameters, sync_gradients  # noqa: F401 - the task modules' names for them
 
 
 def base_model(cfg, vocab_size: int, checkpoint: Optional[str] = None, device="cpu") -> nn.Module:
@@ -52,33 +53,19 @@ def make_rank_model(ctx, model: nn.Module, cfg, placements: Optional[dict] = Non
     return to_expert_parallel(model, family_of(cfg.model.family), dispatcher, gate_rule(cfg.model))
 
 
-def expert_parameters(model: nn.Module) -> set:
-    """ids of the parameters that belong to this rank's routed experts."""
-    return {id(p) for m in model.modules() if isinstance(m, EPMoEBlock)
-            for p in m.experts.parameters()}
+def micro_batches(x_BS: torch.Tensor, n: int) -> list:
+    """The rows of ``x_BS`` cut into ``n`` micro-batches of sizes that differ by at most one."""
+    return list(torch.tensor_split(x_BS, n))
 
 
-def sync_gradients(ctx, model: nn.Module) -> None:
-    """Sums each copied expert's gradient over its copies (a slot placement's, :mod:`occult.ep.replicas`),
-    averages replicated weights' gradients over ranks (one all-reduce) and scales the
-    experts' by 1/P, so that the step is the step of the mean loss over all ranks."""
-    for block in model.modules():          # a replicated expert's gradient: the sum over its copies
-        if isinstance(block, EPMoEBlock):
-            sum_replica_gradients(block.experts, block.dispatcher.placement, ctx.ep)
-    P = ctx.world_size
-    if P == 1:
-        return
-    experts = expert_parameters(model)
-    replicated = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in replicated]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=ctx.ep.group)
-    flat /= P
-    offset = 0
-    for p in replicated:
-        n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).clone()
-        offset += n
-    for p in model.parameters():
-        if id(p) in experts and p.grad is not None:
-            p.grad /= P
+def forward_micro_batches(model: nn.Module, device, inputs: list) -> list:
+    """``model(**kwargs)`` for each ``kwargs`` of ``inputs`` (one per micro-batch), the calls
+    co-executed as strands when there are several (:mod:`occult.ep.strands`: one micro-batch's
+    collectives in flight while another computes, layer by layer). Only the forward
+    co-executes: a training step then runs each micro-batch's backward in turn
+    (:meth:`occult.models.grad_sync.GradSync.backward`). On CUDA the autograd engine runs
+    every backward node of a device on one thread that the strands' backward calls would
+    share, so a strand handing its turn over inside it would stop that thread for all of
+    them; and one backward call over every micro-batch would order their collectives by
+    sequence numbers that are kept per thread, not by the schedule."""
+    return co_execute([partial(model, **kwargs) for kwargs in inputs], device)

@@ -23,7 +23,8 @@ from ..ep import Recorder, system_config
 from ..ep.accounting import recording
 from ..ep.measure import clock, iterations, slowest
 from ..ep.static import dynamic_calls
-from ..models.runtime import base_model, make_rank_model, sync_gradients
+from ..models.grad_sync import GradSync
+from ..models.runtime import base_model, forward_micro_batches, make_rank_model, micro_batches
 from ..records import row
 from .common import comm_rows, parity_gate, routing_rows, step_traffic_rows, timing_rows
 
@@ -144,6 +145,12 @@ class Workload:
 
     def __init__(self, ctx, cfg, tok, model):
         self.ctx, self.cfg, self.model = ctx, cfg, model
+        # micro-batches co-executed as strands (task.microbatches; a task without the field: 1)
+        self.microbatches = int(cfg.task.get("microbatches", 1))
+
+    def forward(self, inputs: list) -> list:
+        """The model on each micro-batch's ``inputs`` (co-executed when there are several)."""
+        return forward_micro_batches(self.model, self.ctx.device, inputs)
 
     def step(self, rec: Recorder, sample: int) -> list:
         raise TypeError(f"{type(self).__name__} runs no iteration")
@@ -157,13 +164,14 @@ class PrefillWorkload(Workload):
     def __init__(self, ctx, cfg, tok, model):
         super().__init__(ctx, cfg, tok, model.eval())
         self.x_BS = rank_batch(ctx, cfg, tok, cfg.task.batch_size, cfg.task.seq_len)
+        self.x_mBS = micro_batches(self.x_BS, self.microbatches)
 
     def step(self, rec, sample):
         ctx, t = self.ctx, self.cfg.task
         t0 = clock()
         with torch.no_grad(), recording(rec):
-            logits = self.model(input_ids=self.x_BS, use_cache=False).logits
-            logits[:, -1].argmax(-1)
+            for out in self.forward([{"input_ids": x, "use_cache": False} for x in self.x_mBS]):
+                out.logits[:, -1].argmax(-1)
         took = clock() - t0
         worst = slowest(ctx.ep, took)
         if sample < 0:
@@ -199,14 +207,13 @@ class DecodeWorkload(PrefillWorkload):
         with torch.no_grad(), recording(rec):
             t0 = clock()
             with dynamic_calls():
-                out = model(input_ids=self.x_BS, use_cache=True)
+                outs = self.forward([{"input_ids": x, "use_cache": True} for x in self.x_mBS])
             ttft = clock() - t0
             prompt_events = len(rec.comm)
-            cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
             for _ in range(t.new_tokens):
                 ts = clock()
-                out = model(input_ids=nxt, cache=cache, use_cache=True)
-                cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+                outs = self.forward([{"input_ids": out.logits[:, -1].argmax(-1, keepdim=True), "cache": out.cache,
+                                      "use_cache": True} for out in outs])
                 steps.append(clock() - ts)
         worst = torch.tensor(slowest(ctx.ep, steps + [ttft]), dtype=torch.float64, device="cpu")
         if sample < 0:
@@ -238,16 +245,20 @@ class TrainWorkload(Workload):
         self.opt = torch.optim.AdamW(model.parameters(), lr=t.lr)
         ids_N = token_ids(t.corpus, "train", tok)
         self.batches = batch_iterator(ids_N, t.batch_size, t.seq_len, seed=cfg.seed * 1000 + ctx.rank)
+        self.sync = GradSync(ctx, model, t.get("grad_sync", "end"))
 
     def step(self, rec, sample):
         ctx, t, model = self.ctx, self.cfg.task, self.model
         x_BS, y_BS = (b.to(ctx.device) for b in next(self.batches))
         t0 = clock()
         with recording(rec):
-            logits = model(input_ids=x_BS).logits
-            loss = nnf.cross_entropy(logits.flatten(0, 1), y_BS.flatten())
-            loss.backward()
-        sync_gradients(ctx, model)
+            ys = micro_batches(y_BS, self.microbatches)
+            outs = self.forward([{"input_ids": x} for x in micro_batches(x_BS, self.microbatches)])
+            # each micro-batch's mean loss weighted by its share of the batch: their sum is the batch's mean
+            losses = [nnf.cross_entropy(out.logits.flatten(0, 1), y.flatten()) * (y.numel() / y_BS.numel())
+                      for out, y in zip(outs, ys)]
+            self.sync.backward(losses, rec)
+        loss = sum(l.detach() for l in losses)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         took = clock() - t0
@@ -273,6 +284,8 @@ def run_workload(ctx, cfg_dict: dict, workload: str) -> list:
     cfg = OmegaConf.create(cfg_dict)
     model, tok, rows = setup(ctx, cfg)
     work = WORKLOADS[workload](ctx, cfg, tok, model)
+    if ctx.rank == 0:       # what the report tells co-executed runs by (their spans hold the other strands' turns)
+        rows.append(row("microbatches", work.microbatches, "micro-batches"))
     rec = Recorder(rank=ctx.rank, sync_collectives=cfg.task.sync_collectives)
     for sample in _iterations(ctx, cfg.task, rec):
         rows += work.step(rec, sample)

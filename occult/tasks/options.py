@@ -250,6 +250,24 @@ class Text(TaskConf):
 
 
 @dataclass
+class MicroBatched(Text, Exchanges):
+    """Micro-batch co-execution (DHelix; two-batch overlap): the rank's ``batch_size``
+    sequences cut into ``microbatches`` micro-batches that run as strands, one's collectives
+    in flight while another computes (:mod:`occult.ep.strands`); 1: the batch at once."""
+
+    microbatches: int = 1
+
+    def check(self) -> None:
+        super().check()
+        if not 1 <= self.microbatches <= self.batch_size:
+            raise ConfigError(f"task.microbatches={self.microbatches}: allowed values are 1..task.batch_size="
+                              f"{self.batch_size} (micro-batches of at least one sequence)")
+        if self.microbatches > 1 and self.sync_collectives:
+            raise ConfigError("task.sync_collectives=true: a barrier before every collective stops the "
+                              f"micro-batches' overlap; allowed only with task.microbatches=1 (not {self.microbatches})")
+
+
+@dataclass
 class HeldOut(TaskConf):
     """Which split of the corpus the task reads."""
 
@@ -287,7 +305,7 @@ class BenchTask(Timed, Gated, Exchanges, LayerInputs):
 
 
 @dataclass
-class PrefillTask(Timed, Gated, Exchanges, Placed, Text, HeldOut):
+class PrefillTask(Timed, Gated, Placed, MicroBatched, HeldOut):
     """task=prefill: one forward over the prompts (:mod:`occult.tasks.model`)."""
 
     save_routing: bool = False          # write routing.parquet (+ router logits)
@@ -329,12 +347,21 @@ class DecodeTask(PrefillTask):
 
 
 @dataclass
-class TrainTask(Timed, Gated, Exchanges, Placed, Text):
+class TrainTask(Timed, Gated, Placed, MicroBatched):
     """task=train: forward, backward, gradient sync and an AdamW step on training batches
-    of ``corpus`` (its train split)."""
+    of ``corpus`` (its train split). ``grad_sync``: when the replicated weights' gradients
+    are averaged (``end``, ``overlap``, ``lina``: :mod:`occult.models.grad_sync`)."""
 
     lr: float = 1e-3
     save_routing: bool = False
+    grad_sync: str = "end"
+
+    def check(self) -> None:
+        super().check()
+        from ..models.grad_sync import GRAD_SYNCS
+
+        if self.grad_sync not in GRAD_SYNCS:
+            raise ConfigError(f"task.grad_sync={self.grad_sync!r}: allowed values are {list(GRAD_SYNCS)}")
 
     entry: ClassVar[str] = "occult.tasks.model.train_rank"
     prepare: ClassVar[str] = "occult.tasks.model.prepare"
