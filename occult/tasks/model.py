@@ -248,6 +248,9 @@ def run_workload(ctx, cfg_dict: dict, workload: str) -> list:
     iterations of ``workload``, then the last iteration's collectives and routing."""
     cfg = OmegaConf.create(cfg_dict)
     model, tok, rows = setup(ctx, cfg)
+    if cfg.task.get("migration"):
+        from .migration import MigratingModel
+        model = MigratingModel(ctx, model, _placements(cfg, ctx, model))
     work = WORKLOADS[workload](ctx, cfg, tok, model)
     rec = Recorder(rank=ctx.rank, sync_collectives=cfg.task.sync_collectives)
     for sample in _iterations(ctx, cfg.task, rec):
