@@ -44,7 +44,7 @@ class LSHHandle:
     token_R: torch.Tensor          # home token of each pair (sort order)
     weight_R: torch.Tensor         # its gate weight
     bucket_R: torch.Tensor         # its bucket (centroid row)
-    residual_RD: torch.Tensor      # x_t - c of each pair (zeros for bits = 0)
+    residual_RD: Optional[torch.Tensor]   # each pair's correction to its bucket's output (None: none)
     inv_perm_C: torch.Tensor       # expert-major received centroids -> (source, slot) order
     send_P: list
     recv_P: list
@@ -60,12 +60,9 @@ def hyperplanes(hidden: int, bits: int, layer: int, seed: int, device, dtype) ->
     return torch.randn(hidden, bits, generator=g, device="cpu").to(device=device, dtype=dtype)
 
 
-def bucket_keys(x_RD: torch.Tensor, group_R: torch.Tensor, bits: int, planes_DB: Optional[torch.Tensor]) -> torch.Tensor:
+def hash_keys(x_RD: torch.Tensor, group_R: torch.Tensor, bits: int, planes_DB: torch.Tensor) -> torch.Tensor:
     """One key per pair: its group (destination device x local expert) and hash code, so
-    that pairs with one key share a bucket; bits = 0: every pair its own key. [R] (long)."""
-    R = x_RD.shape[0]
-    if bits == 0:
-        return torch.arange(R, device=x_RD.device)
+    that pairs with one key share a bucket (bits >= 1). [R] (long)."""
     sign_RB = (x_RD.detach() @ planes_DB) > 0
     code_R = (sign_RB.long() << torch.arange(bits, device=x_RD.device)).sum(1)
     return group_R * (1 << bits) + code_R
@@ -76,6 +73,7 @@ class LSHDispatcher(SplitDispatcher):
 
     impl = "harness"
     exact = False
+    counter = "lsh"        # the prefix of its counters (lsh_rows, lsh_pairs)
     no_plan = ("its rows are bucket centroids, and how many a (rank, expert) sends depends on the hash "
                "of the tokens' activations, not on the routing")
 
@@ -96,6 +94,25 @@ class LSHDispatcher(SplitDispatcher):
         def lossless_options(self) -> dict:
             return {"bits": 0}
 
+    def bucket_keys(self, x_RD: torch.Tensor, group_R: torch.Tensor, layer: int) -> tuple[torch.Tensor, int]:
+        """One key per pair, ``group * base + code`` (pairs with one key share a bucket),
+        and ``base``: ``([R] long, int)``. Here the code is the pair's hash (bits = 0: the
+        pair's own index, so that every pair is its own bucket)."""
+        bits, R = self.config.bits, x_RD.shape[0]
+        if bits == 0:
+            return group_R * max(R, 1) + torch.arange(R, device=x_RD.device), max(R, 1)
+        planes = hyperplanes(x_RD.shape[1], bits, layer, self.config.seed, x_RD.device, x_RD.dtype)
+        return hash_keys(x_RD, group_R, bits, planes), 1 << bits
+
+    def bucket_rows(self, x_RD: torch.Tensor, bucket_R: torch.Tensor, keys_C: torch.Tensor, base: int
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The row each bucket sends, and each pair's correction to its bucket's output
+        (None: none): here the centroid, and the residual ``x - centroid``. ``([C, D], [R, D])``."""
+        C = keys_C.numel()
+        sizes_C = torch.bincount(bucket_R, minlength=C).to(x_RD.dtype)
+        centroid_CD = scatter_add_rows(C, bucket_R, x_RD) / sizes_C.unsqueeze(1)
+        return centroid_CD, x_RD - gather_rows(centroid_CD, bucket_R)
+
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         K, e = topk_ids_TK.shape[1], self.placement.num_local
         order_R, send_Pe = sort_pairs_by_destination(topk_ids_TK, self.placement)
@@ -103,21 +120,16 @@ class LSHDispatcher(SplitDispatcher):
         x_RD = gather_rows(x_TD, token_R)
         ids_R = topk_ids_TK.flatten()[order_R]
         group_R = self.placement.device_E[ids_R] * e + self.placement.slot_E[ids_R]
-        bits = self.config.bits
-        planes = hyperplanes(x_TD.shape[1], bits, layer, self.config.seed, x_TD.device, x_TD.dtype) if bits else None
-        keys_C, bucket_R = torch.unique(bucket_keys(x_RD, group_R, bits, planes), sorted=True, return_inverse=True)
-        C = keys_C.numel()
-        sizes_C = torch.bincount(bucket_R, minlength=C).to(x_TD.dtype)
-        centroid_CD = scatter_add_rows(C, bucket_R, x_RD) / sizes_C.unsqueeze(1)
-        residual_RD = x_RD - gather_rows(centroid_CD, bucket_R)
-        # bits = 0: bucket r is pair r (the keys are the pair indices, in order)
-        group_C = keys_C // (1 << bits) if bits else group_R
+        key_R, base = self.bucket_keys(x_RD, group_R, layer)
+        # sorted keys: the buckets in (destination device, local expert) order, as the exchange wants
+        keys_C, bucket_R = torch.unique(key_R, sorted=True, return_inverse=True)
+        rows_CD, residual_RD = self.bucket_rows(x_RD, bucket_R, keys_C, base)
         P = self.placement.num_devices
-        send_cPe = torch.bincount(group_C, minlength=P * e).view(P, e)
+        send_cPe = torch.bincount(keys_C // base, minlength=P * e).view(P, e)
         recv_cPe = exchange_counts(send_cPe, self.ep, Exchange(layer, "counts", recorder))
         # device-to-host sync: split sizes go to the collective as Python ints
         send_P, recv_P = send_cPe.sum(1).tolist(), recv_cPe.sum(1).tolist()
-        got_CD = all_to_all_rows(centroid_CD, send_P, recv_P, self.ep, Exchange(layer, "dispatch", recorder))
+        got_CD = all_to_all_rows(rows_CD, send_P, recv_P, self.ep, Exchange(layer, "dispatch", recorder))
         perm_C = expert_major_order(recv_cPe)
         handle = LSHHandle(token_R, topk_weights_TK.flatten()[order_R], bucket_R, residual_RD,
                            inverse_permutation(perm_C), send_P, recv_P, x_TD.shape[0], token_R.numel(), layer,
@@ -127,7 +139,9 @@ class LSHDispatcher(SplitDispatcher):
     def combine(self, y_CD, handle: LSHHandle):
         back_CD = all_to_all_rows(gather_rows(y_CD, handle.inv_perm_C), handle.recv_P, handle.send_P, self.ep,
                                   Exchange(handle.layer, "combine", handle.recorder))
-        pairs_RD = gather_rows(back_CD, handle.bucket_R) + handle.residual_RD
+        pairs_RD = gather_rows(back_CD, handle.bucket_R)
+        if handle.residual_RD is not None:
+            pairs_RD = pairs_RD + handle.residual_RD
         return weighted_scatter_add(handle.num_tokens, handle.token_R, pairs_RD, handle.weight_R)
 
     def stats(self, handle: LSHHandle) -> dict:
@@ -135,4 +149,4 @@ class LSHDispatcher(SplitDispatcher):
         merged into another's centroid (which the experts do not run: the cost model's
         expert rows leave them out)."""
         rows = int(sum(handle.send_P))
-        return {"lsh_rows": rows, "lsh_pairs": handle.pairs, "merged_pairs": handle.pairs - rows}
+        return {f"{self.counter}_rows": rows, f"{self.counter}_pairs": handle.pairs, "merged_pairs": handle.pairs - rows}

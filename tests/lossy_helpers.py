@@ -44,6 +44,33 @@ def lsh_by_hand(x_TD, ids_TK, w_TK, experts, bits: int, seed: int, layer: int = 
     return out_TD
 
 
+def luffy_by_hand(x_TD, ids_TK, w_TK, experts, threshold: float):
+    """Luffy's condensation from its definition, one expert at a time: its pairs in token
+    order (then k); each joins the first earlier leader whose token is identical to its own
+    or has cosine similarity >= threshold with it, or leads a cluster of its own; the
+    expert runs on each leader's token, and every pair of the cluster takes that output,
+    weighted and summed at home: out_t = sum_k w_tk f_e(x_leader(t, k)). [T, D]."""
+    T, K = ids_TK.shape
+    out_TD = torch.zeros_like(x_TD)
+    leaders: dict = {}
+    for e in sorted(set(ids_TK.flatten().tolist())):
+        for t in range(T):
+            for k in range(K):
+                if int(ids_TK[t, k]) != e:
+                    continue
+                x_D = x_TD[t]
+                lead = next((s for s in leaders.setdefault(e, [])
+                             if torch.equal(x_TD[s], x_D)
+                             or (threshold < 1 and torch.cosine_similarity(x_TD[s], x_D, 0) >= threshold)), None)
+                if lead is None:
+                    leaders[e].append(t)
+                    lead = t
+                c_D = x_TD[lead]
+                h_F = torch.nn.functional.silu(c_D @ experts["w_gate"][e]) * (c_D @ experts["w_up"][e])
+                out_TD[t] += w_TK[t, k] * (h_F @ experts["w_down"][e])
+    return out_TD
+
+
 def adaptive_by_hand(ids_TK, w_TK, threshold: float):
     """AdapMoE's rule from its definition, token by token: the token's experts by
     decreasing gate weight (the lower slot first on a tie), taken until they hold at least
@@ -88,7 +115,7 @@ def _layer_and_inputs(ctx, system: dict, case: LayerCase):
 
 
 def lossy_checks(ctx, jobs: list) -> list:
-    """``[(kind, system dict, case), ...]``; kind ``lsh`` or ``adaptive``: the system's
+    """``[(kind, system dict, case), ...]``; kind ``lsh``, ``luffy`` or ``adaptive``: the system's
     output against its statement by hand on this rank's tokens (relative error), the
     rows it sent, the pairs it had, and whether the input got a finite gradient."""
     out = []
@@ -104,6 +131,8 @@ def lossy_checks(ctx, jobs: list) -> list:
             cfg = system_config(system)
             if kind == "lsh":
                 want_TD = lsh_by_hand(x_TD, ids_TK, w_TK, prob.experts, cfg.bits, cfg.seed)
+            elif kind == "luffy":
+                want_TD = luffy_by_hand(x_TD, ids_TK, w_TK, prob.experts, cfg.threshold)
             else:
                 want_TD = moe_by_hand(x_TD, *adaptive_by_hand(ids_TK, w_TK, cfg.threshold), prob.experts)
         kept = int((rec.routing[0][1] >= 0).sum())

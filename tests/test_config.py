@@ -57,7 +57,7 @@ def test_unknown_system_lists_the_choices():
     (["+system.flavour=x"], r"system.flavour: unknown option of system 'naive'; allowed: \['payload', "
                             r"'combine_payload', 'dispatch_mode', 'max_tokens_per_rank'\]"),
     (["system=reference"], r"system=reference has no expert-parallel dispatcher; task=layer needs one. "
-                           r"Expert-parallel systems: \[.*'deepspeed', 'exflow', .*'lsh', 'megablocks', 'naive', 'occult'"),
+                           r"Expert-parallel systems: \[.*'deepspeed', 'exflow', .*'lsh', 'luffy', 'megablocks', 'naive', 'occult'"),
     (["cluster=cpu4", "cluster.devices_per_node=3"],
      r"cluster.devices_per_node=3: allowed values are 0 \(one node\) or a divisor of cluster.world_size=4: \[1, 2, 4\]"),
     (["system=reference", "task=finetune", "model=olmoe_proxy"], r"task=finetune needs one"),

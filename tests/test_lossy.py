@@ -1,4 +1,4 @@
-"""The lossy systems (compressed payloads, lsh, adaptive_topk): their bytes are what
+"""The lossy systems (compressed payloads, lsh, luffy, adaptive_topk): their bytes are what
 they claim (by hand), they compute what their docstrings state (against independent
 single-device statements), and their options are checked. With their loss switched
 off they are in the parity suite (tests/systems.py, ``lossless_options``).
@@ -20,6 +20,7 @@ P, E, D = 2, 8, 16
 e = E // P
 NAIVE, OCCULT = "baselines.naive.NaiveDispatcher", "occult.collab.dispatcher.OccultDispatcher"
 LSH, ADAPTIVE = "baselines.lsh.LSHDispatcher", "baselines.adaptive_topk.AdaptiveTopKDispatcher"
+LUFFY = "baselines.luffy.LuffyDispatcher"
 
 # (system, hand-computed wire bytes per row of: dispatch, combine; the tolerance of the output)
 PAYLOAD_CASES = [
@@ -34,6 +35,7 @@ PAYLOAD_CASE = LayerCase(E, 2, (20, 13), hidden=D, routing="router", seed=11, dt
 LSH_CASE = LayerCase(E, 2, (40, 33), hidden=D, routing="uniform", seed=12)
 ADAPTIVE_CASE = LayerCase(E, 4, (30, 21), hidden=D, routing="router", seed=13)
 LOSSY_JOBS = ([("lsh", system(LSH, bits=b), LSH_CASE) for b in (0, 1, 3)]
+              + [("luffy", system(LUFFY, threshold=t), LSH_CASE) for t in (1.0, 0.3)]
               + [("adaptive", system(ADAPTIVE, base=b, threshold=0.3), ADAPTIVE_CASE)
                  for b in ("naive", "occult", "megablocks")])
 
@@ -67,10 +69,10 @@ def test_lsh_and_adaptive_compute_what_they_state(world):
         for (kind, sysd, case), res in zip(LOSSY_JOBS, checks):
             assert res["err"] <= 1e-9, (rank, sysd, res)
             assert res["grad_finite"], (rank, sysd, res)
-            if kind == "lsh" and sysd["bits"] == 0:
+            if kind == "lsh" and sysd["bits"] == 0 or kind == "luffy" and sysd["threshold"] == 1.0:
                 assert res["sent_rows"] == res["pairs"], res        # every pair its own bucket
-            elif kind == "lsh":
-                assert 0 < res["sent_rows"] < res["pairs"], res     # centroids: fewer rows than pairs
+            elif kind in ("lsh", "luffy"):
+                assert 0 < res["sent_rows"] < res["pairs"], res     # centroids / leaders: fewer rows than pairs
             else:
                 assert res["kept_pairs"] < res["pairs"], res        # threshold 0.3 drops pairs
                 if sysd["base"] != "occult":                        # one row per kept pair
@@ -81,6 +83,8 @@ def test_lsh_and_adaptive_compute_what_they_state(world):
     ({"_target_": NAIVE, "payload": "int4"}, "system.payload"),
     ({"_target_": OCCULT, "combine_payload": "fp16"}, "system.combine_payload"),
     ({"_target_": LSH, "bits": 17}, "system.bits"),
+    ({"_target_": LUFFY, "threshold": 1.5}, "system.threshold"),
+    ({"_target_": LUFFY, "threshold": -2.0}, "system.threshold"),
     ({"_target_": ADAPTIVE, "threshold": 1.0}, "system.threshold"),
     ({"_target_": ADAPTIVE, "base": "tutel"}, "system.base"),
     ({"_target_": ADAPTIVE, "base": "baselines.tutel.TutelDispatcher"}, "does not take dropped pairs"),
@@ -112,6 +116,25 @@ def test_adaptive_topk_takes_any_system_that_takes_dropped_pairs():
     config = system_config(pruned)
     config.check(num_experts=E, top_k=2, world_size=P)
     assert config.base_config().budget == 1 and not config.is_exact()
+
+
+def test_luffy_clusters_follow_their_definition():
+    """Leader clustering on worked examples: identical tokens share a leader at threshold 1
+    (a scaled copy does not), cosine similarity decides below 1, and groups never mix."""
+    import torch
+
+    from baselines.luffy import leader_clusters
+
+    x_RD = torch.tensor([[1.0, 0.0], [2.0, 0.0], [1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [1.0, 0.0]],
+                        dtype=torch.float64)
+    group_R = torch.tensor([0, 0, 0, 0, 0, 1])
+    assert leader_clusters(x_RD, group_R, 1.0).tolist() == [0, 1, 0, 3, 4, 5]
+    assert leader_clusters(x_RD, group_R, 0.95).tolist() == [0, 0, 0, 0, 4, 5]   # cos(0.9, 0.1) ~ 0.994
+    assert leader_clusters(x_RD, group_R, -1.0).tolist() == [0, 0, 0, 0, 0, 5]
+    # a later pair joins the first leader it is close to, not the closest one
+    y_RD = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], dtype=torch.float64)
+    assert leader_clusters(y_RD, torch.zeros(3, dtype=torch.long), 0.5).tolist() == [0, 1, 0]
+    assert leader_clusters(x_RD[:0], group_R[:0], 0.5).numel() == 0
 
 
 def test_adaptive_keep_follows_its_definition():

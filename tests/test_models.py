@@ -12,6 +12,8 @@ from occult.models.families import family_of, gate_rule
 from occult.pruning import GroupLimit
 from occult.parity import run_model_grid
 
+from migration_helpers import models_and_migration
+
 PROXIES = ["olmoe_proxy", "qwen_moe_proxy", "deepseek_moe_proxy", "deepseek_v3_proxy", "qwen3_moe_proxy",
            "mixtral_proxy"]
 SYSTEMS = [("naive", "baselines.naive.NaiveDispatcher"), ("occult", "occult.collab.dispatcher.OccultDispatcher")]
@@ -93,17 +95,28 @@ def test_group_limit_over_devices_is_deepseek_v3s_router_with_devices_as_groups(
         assert torch.equal(out_TK.sort(1).values, ids_TK.sort(1).values), M
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("P", [2, 4])
-def test_ep_models_match_single_device(P):
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda P: f"P{P}")
+def model_world(request):
     """Every proxy on naive and occult, and the OLMoE proxy on naive over EPLB's slot
-    placements (E/8 redundant: copies of the hot experts, the training gradient of a copied
-    expert summed over its copies), equal the single-device model."""
+    placements, in one world per P: ``(P, per_rank grid results, per_rank migration results)``;
+    the P = 2 world also runs sequence migration (migration_helpers; its transformers import
+    is already paid)."""
+    P = request.param
     jobs = [({"model": tiny(n), "system": {"name": s, "_target_": t}, "seed": 1}, 2, 8)
             for n in PROXIES for s, t in SYSTEMS]
     jobs += eplb_model_jobs(P)
     jobs += schedule_jobs()
-    per_rank = launch(run_model_grid, P, (jobs,), timeout_s=360)
+    per_rank = launch(models_and_migration, P, (jobs, P == 2), timeout_s=360)
+    return P, jobs, [grid for grid, _ in per_rank], [migration for _, migration in per_rank]
+
+
+@pytest.mark.timeout(400)
+def test_ep_models_match_single_device(model_world):
+    """Every proxy on naive and occult, the OLMoE proxy on naive over EPLB's slot
+    placements (E/8 redundant: copies of the hot experts, the training gradient of a copied
+    expert summed over its copies) and under the schedules (micro-batches, gradient sync),
+    equal the single-device model."""
+    P, jobs, per_rank, _ = model_world
     for rank, results in enumerate(per_rank):
         for (cfg, *_), res in zip(jobs, results):
             bad = {k: v for k, v in res["errors"].items() if not v < 2e-5}
@@ -143,6 +156,60 @@ def check_schedules(jobs: list, results: list) -> None:
     assert end == {"allreduces": 1, "started_in_backward": 0}
     assert 0 < overlap["started_in_backward"] <= overlap["allreduces"] < lina["allreduces"]
     assert 0 < lina["started_in_backward"]
+
+
+def _migration(model_world) -> list:
+    P, _, _, migration = model_world
+    if P != 2:
+        pytest.skip("sequence migration runs in the P = 2 world")
+    return migration
+
+
+def _close(a, b):
+    return (a - b).abs().max().item() <= 1e-9 * max(b.abs().max().item(), 1e-30)
+
+
+@pytest.mark.timeout(400)
+def test_sequence_migration_is_exact_forward_and_backward(model_world):
+    """task.migration's model (every sequence moved; then the table counted from that step)
+    gives plain EP's logits and synchronised gradients of every weight, float64."""
+    for rank, out in enumerate(_migration(model_world)):
+        for key in ("swap", "counted"):
+            assert _close(out[key]["logits"], out["plain"]["logits"]), (rank, key)
+            grads, plain = out[key]["grads"], out["plain"]["grads"]
+            assert len(grads) == len(plain) > 0, (rank, key)
+            for name, g in plain.items():
+                assert _close(grads["model." + name], g), (rank, key, name)
+
+
+@pytest.mark.timeout(400)
+def test_sequence_migration_moves_hidden_states_once_each_way(model_world):
+    from migration_helpers import B, D, S
+    for rank, out in enumerate(_migration(model_world)):
+        by_phase = {(phase, direction): (rows, row_bytes) for phase, direction, rows, row_bytes in out["swap"]["comm"]}
+        for phase in ("migrate", "migrate_return"):
+            for direction in ("forward", "backward"):
+                rows, row_bytes = by_phase[(phase, direction)]
+                # every sequence moved: B * S rows to the other rank, none to itself, D float64 each
+                assert rows[1 - rank] == B * S and rows[rank] == 0 and row_bytes == 8 * D, (phase, direction)
+        assert by_phase[("migrate_ids", "forward")][0][1 - rank] == B * S
+        assert out["swap"]["counters"]["migrated_sequences"] == B
+        assert not out["plain"]["comm"]
+
+
+@pytest.mark.timeout(400)
+def test_sequence_migration_counts_remote_pairs_at_home_and_where_they_ran(model_world):
+    """After the swap rank r runs rank 1-r's sequences: their pairs off their home rank are
+    plain EP's remote pairs of rank 1-r, those off rank r are the ones the step sent; the
+    tables (profiled, counted) hold each seen token's pairs per rank (2 layers x K = 2)."""
+    world = _migration(model_world)
+    for rank, out in enumerate(world):
+        counters = out["swap"]["counters"]
+        assert counters["remote_pairs_home"] == world[1 - rank]["plain"]["remote_plain"]
+        assert counters["remote_pairs_migrated"] == out["swap"]["remote_plain"]
+        for table in (out["table_after"], out["profiled"]):
+            seen = table.sum(1) > 0
+            assert table.shape[1] == 2 and seen.any() and torch.all(table.sum(1)[seen] == 4.0)
 
 
 def eplb_model_jobs(P: int) -> list:

@@ -117,13 +117,13 @@ def planned_names() -> list:
             if system_config(cfg).expert_parallel and not system_config(cfg).plan_refusal()]
 
 
-def test_every_expert_parallel_system_has_a_plan_but_lsh_which_says_why():
+def test_every_expert_parallel_system_has_a_plan_but_lsh_and_luffy_which_say_why():
     from pathlib import Path
     unplanned = {name: system_config(cfg).plan_refusal() for name, cfg in system_configs().items()
                  if system_config(cfg).expert_parallel and system_config(cfg).plan_refusal()}
-    assert set(unplanned) == {"lsh"} and "activations" in unplanned["lsh"]
+    assert set(unplanned) == {"lsh", "luffy"} and all("activations" in why for why in unplanned.values())
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert "`lsh`" in readme and "[docs/simulate.md](docs/simulate.md)" in readme
+    assert "`lsh`" in readme and "`luffy`" in readme and "[docs/simulate.md](docs/simulate.md)" in readme
 
 
 def test_world_traffic_adds_the_ranks_and_transposes_returns_and_the_backward():
@@ -213,6 +213,7 @@ def _trace(folder, layers=(0,), expert=3, top_k=8) -> str:
                               r"model=layer_small is a layer-only config"),
     (["task.routing=trace"], r"^task.trace is not set: task.routing=trace needs a run folder"),
     (["system=lsh"], r"^system=lsh has no traffic plan: its rows are bucket centroids"),
+    (["system=luffy"], r"^system=luffy has no traffic plan: its rows are cluster representatives"),
     (["system=reference"], r"^system=reference has no expert-parallel dispatcher; task=simulate needs one"),
 ])
 def test_simulate_refuses_bad_input_in_one_line(overrides, line):

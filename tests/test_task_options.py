@@ -29,7 +29,8 @@ EVERY_FIELD = ["tokens_per_rank", "routing", "zipf_s", "warmup", "iters", "backw
                "optimiser", "load_cap", "time_limit_s",             # task=place
                "profiling_split", "affinity_weight",                # task=placement_load
                "microbatches", "grad_sync",                         # the schedules (issue 28)
-               "cuda_graph"]                                        # static decode in a CUDA graph
+               "cuda_graph",                                        # static decode in a CUDA graph
+               "migration"]                                         # Luffy's sequence migration
 
 
 def cfg_with(*overrides):

@@ -81,7 +81,7 @@ def timing_rows(rec: Recorder, sample: int) -> list:
 
 
 # the unit of a dispatcher's counter, by a word in its name (default: pairs)
-COUNTER_UNITS = {"rows": "rows", "experts": "experts", "degree": "chunks"}
+COUNTER_UNITS = {"rows": "rows", "experts": "experts", "degree": "chunks", "sequences": "sequences"}
 
 
 def counter_unit(name: str) -> str:

@@ -283,6 +283,9 @@ def run_workload(ctx, cfg_dict: dict, workload: str) -> list:
     iterations of ``workload``, then the last iteration's collectives and routing."""
     cfg = OmegaConf.create(cfg_dict)
     model, tok, rows = setup(ctx, cfg)
+    if cfg.task.get("migration"):
+        from .migration import MigratingModel
+        model = MigratingModel(ctx, model, _placements(cfg, ctx, model))
     work = WORKLOADS[workload](ctx, cfg, tok, model)
     if ctx.rank == 0:       # what the report tells co-executed runs by (their spans hold the other strands' turns)
         rows.append(row("microbatches", work.microbatches, "micro-batches"))

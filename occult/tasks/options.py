@@ -305,7 +305,23 @@ class BenchTask(Timed, Gated, Exchanges, LayerInputs):
 
 
 @dataclass
-class PrefillTask(Timed, Gated, Placed, MicroBatched, HeldOut):
+class Migrated(TaskConf):
+    """Luffy's sequence migration (:mod:`occult.tasks.migration`): before the first decoder
+    block each sequence moves, once per step, to the rank that holds most of its (token,
+    expert) pairs (predicted from the previous step's routing); its outputs return home."""
+
+    migration: bool = False
+
+    def check_run(self, cfg) -> None:
+        super().check_run(cfg)
+        from ..ep import system_config
+        if self.migration and not system_config(cfg.system).expert_parallel:
+            raise ConfigError(f"task.migration=true: system={cfg.system.name} runs no expert parallelism, so no "
+                              "sequence has experts elsewhere to move to; allowed with an expert-parallel system")
+
+
+@dataclass
+class PrefillTask(Timed, Gated, Placed, MicroBatched, HeldOut, Migrated):
     """task=prefill: one forward over the prompts (:mod:`occult.tasks.model`)."""
 
     save_routing: bool = False          # write routing.parquet (+ router logits)
@@ -329,6 +345,10 @@ class DecodeTask(PrefillTask):
     def check(self) -> None:
         super().check()
         _at_least("new_tokens", self.new_tokens, 0)
+        if self.migration:
+            raise ConfigError("task.migration=true: task=decode would move each migrated sequence's KV cache, "
+                              "which is not implemented; allowed values here: false (migration runs with "
+                              "task=prefill and task=train)")
 
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
@@ -347,7 +367,7 @@ class DecodeTask(PrefillTask):
 
 
 @dataclass
-class TrainTask(Timed, Gated, Placed, MicroBatched):
+class TrainTask(Timed, Gated, Placed, MicroBatched, Migrated):
     """task=train: forward, backward, gradient sync and an AdamW step on training batches
     of ``corpus`` (its train split). ``grad_sync``: when the replicated weights' gradients
     are averaged (``end``, ``overlap``, ``lina``: :mod:`occult.models.grad_sync`)."""

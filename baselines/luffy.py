@@ -1,0 +1,100 @@
+"""system=luffy: Luffy's token condensation (harness implementation, from the paper; it has
+no public code).
+
+Luffy (arXiv 2411.15419) sends one row for a group of similar tokens bound for one expert
+and shares that row's expert output back to each of them. My reading, as implemented:
+
+  sender    the (token, expert) pairs, sorted by destination device and local expert
+            (naive EP's order); within each (device, local expert) group, leader
+            clustering in that order: the first pair is a leader, and each later pair
+            joins the first leader whose token is identical to it or has cosine
+            similarity >= ``threshold`` with it, or else becomes a leader itself; each
+            leader's token is one row (the representative)
+  exchange  counts, then one all-to-all of the representatives (C rows instead of R pairs)
+  receiver  the experts run on the representatives, grouped by local expert
+  exchange  the representatives' outputs back
+  sender    each pair takes its leader's output (no correction), then the gate-weighted
+            sum at home, as naive EP's
+
+``threshold = 1`` condenses only identical tokens (their expert outputs are identical):
+exact, the system's ``lossless_options`` (in the parity suite). Lower thresholds
+condense more. The gradient of a condensed pair's expert output reaches its leader's
+token only. Counters per call: ``luffy_rows`` (rows sent), ``luffy_pairs``, ``merged_pairs``.
+The exchange itself is LSH-MoE's (:class:`baselines.lsh.LSHDispatcher`: buckets of pairs,
+one row each); only the buckets and their rows differ.
+Shapes: R pairs, D hidden, G groups (P devices x e local experts), C representatives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from occult.ep import SystemConfig
+from occult.ep.permute import gather_rows
+
+from .lsh import LSHDispatcher
+
+
+def leader_clusters(x_RD: torch.Tensor, group_R: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Each pair's leader (an index into R, in the pair's group): sequential leader clustering
+    in index order, vectorised over groups (one round per leader of the largest group: the
+    first unassigned pair of each group leads, and every unassigned pair of its group that
+    is identical to it or, for threshold < 1, has cosine similarity >= threshold with it
+    joins). A leader is the smallest index of its cluster. [R] (long)."""
+    R = x_RD.shape[0]
+    leader_R = torch.full((R,), -1, dtype=torch.long, device=x_RD.device)
+    if R == 0:
+        return leader_R
+    x_RD = x_RD.detach()
+    unit_RD = x_RD / x_RD.norm(dim=1, keepdim=True).clamp_min(torch.finfo(x_RD.dtype).tiny)
+    index_R = torch.arange(R, device=x_RD.device)
+    G = int(group_R.max()) + 1
+    while True:
+        open_R = leader_R < 0
+        if not bool(open_R.any()):
+            return leader_R
+        first_G = torch.full((G,), R, dtype=torch.long, device=x_RD.device)
+        first_G.scatter_reduce_(0, group_R[open_R], index_R[open_R], reduce="amin")
+        lead_R = first_G[group_R].clamp(max=R - 1)          # R (group done) -> any row: masked below
+        join_R = (x_RD == x_RD[lead_R]).all(1)
+        if threshold < 1.0:
+            join_R |= (unit_RD * unit_RD[lead_R]).sum(1) >= threshold
+        join_R &= open_R & (first_G[group_R] < R)
+        leader_R = torch.where(join_R, lead_R, leader_R)
+
+
+class LuffyDispatcher(LSHDispatcher):
+    """Luffy's token condensation; ``threshold``: the cosine similarity at which a pair
+    shares its leader's row (1: identical tokens only, exact)."""
+
+    counter = "luffy"
+    no_plan = ("its rows are cluster representatives, and how many a (rank, expert) sends depends on the "
+               "similarity of the tokens' activations, not on the routing")
+
+    @dataclass
+    class Config(SystemConfig):
+        threshold: float = 0.9     # cosine similarity in [-1, 1] at which a pair shares its leader's row
+
+        def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+            super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+            if not -1.0 <= self.threshold <= 1.0:
+                raise ValueError(f"system.threshold={self.threshold!r}: allowed values are a cosine similarity "
+                                 "in [-1, 1] (1: identical tokens only, exact)")
+
+        def is_exact(self) -> bool:
+            return self.threshold >= 1.0
+
+        def lossless_options(self) -> dict:
+            return {"threshold": 1.0}
+
+    def bucket_keys(self, x_RD: torch.Tensor, group_R: torch.Tensor, layer: int) -> tuple[torch.Tensor, int]:
+        """``group * R + leader``: a pair's bucket is its leader's cluster. ``([R] long, R)``."""
+        base = max(x_RD.shape[0], 1)
+        return group_R * base + leader_clusters(x_RD, group_R, self.config.threshold), base
+
+    def bucket_rows(self, x_RD: torch.Tensor, bucket_R: torch.Tensor, keys_C: torch.Tensor, base: int
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The leaders' tokens, and no correction. ``([C, D], None)``."""
+        return gather_rows(x_RD, keys_C % base), None
