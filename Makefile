@@ -79,7 +79,8 @@ docs: $(STAMP)
 
 # Everything that needs a GPU, on one GPU (about 8 minutes on an H200): one results file
 # under runs/gpu_check/ (Triton kernels, MegaBlocks' dMoE, a one-rank NCCL world, GEMM and
-# memory throughput, a measured projection profile). Needs CUDA and the GPU extras.
+# memory throughput, a measured projection profile, CUDA graphs of the static decode step).
+# Needs CUDA and the GPU extras.
 gpu-check: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[gpu]'
 	$(PY) -m occult.gpu_check

@@ -29,6 +29,13 @@ megablocks).
    and efficiency of ``conf/profile/sim_h100x8.yaml`` in a measured profile written
    beside the results (``profile_<gpu>x8_measured.yaml``: compute and memory measured,
    links still the datasheet's), for ``python -m analysis.project RUNS --profile <that file>``.
+6. CUDA graphs of the static decode step (``system.dispatch_mode=static``,
+   :mod:`occult.ep.graphs`): naive's and Occult's MoE layer at the OLMoE shape on a decode
+   step of 8 tokens (bf16, one rank) captured once, then replayed on fresh tokens against the
+   eager layer (outputs equal to 1e-3), eager and replayed step times; and ``task=decode
+   task.cuda_graph=true,false`` of Occult's static dispatch on a one-rank NCCL world
+   (``cluster.single_rank_collectives``: the captured exchange goes through NCCL), random
+   OLMoE-proxy weights, its per-token latency with and without the graphs.
 
 The check exits with status 1 when any step failed (an exception), any of its checks is
 false (the parity results, the NCCL world's), or the NCCL world's command failed, and it
@@ -51,6 +58,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 OCCULT = "occult.collab.dispatcher.OccultDispatcher"
 MEGABLOCKS = "baselines.megablocks.MegaBlocksDispatcher"
+NAIVE = "baselines.naive.NaiveDispatcher"
+DECODE_TOKENS = 8
 E, K, D, F = 64, 8, 2048, 1024
 BF16_TOL, FP32_TOL = 2e-2, 1e-4
 
@@ -210,6 +219,47 @@ def throughput(tokens: int) -> dict:
             "rows": rows, "experts": E, "hidden": D, "ffn": F}
 
 
+def cuda_graphs(out: Path) -> dict:
+    """Step 6: the static decode step captured in a CUDA graph and replayed, against the
+    eager layer; then task=decode with and without task.cuda_graph on a one-rank NCCL world."""
+    import os
+
+    import pandas as pd
+
+    from .ep.graphs import GraphedCall
+    ctx = _world()
+    res = {}
+    g = torch.Generator(device="cpu").manual_seed(6)
+    for name, target in (("naive", NAIVE), ("occult", OCCULT)):
+        system = {"name": name, "_target_": target, "dispatch_mode": "static", "max_tokens_per_rank": DECODE_TOKENS}
+        layer, x, _, _ = _layer(ctx, system, DECODE_TOKENS)
+        with torch.no_grad():
+            graphed = GraphedCall(lambda x_TD: layer(x_TD), [x])
+            fresh = [torch.randn(DECODE_TOKENS, D, generator=g, device="cpu").to(x) for _ in range(3)]
+            res[f"{name}_replay_error"] = max(_rel(graphed(xi), layer(xi)) for xi in fresh)
+            res[f"{name}_replay_parity"] = res[f"{name}_replay_error"] <= 1e-3
+            res[f"{name}_eager_ms"] = _timed(lambda: layer(fresh[0]))
+            res[f"{name}_replay_ms"] = _timed(lambda: graphed(fresh[0]))
+    sweep = out / "decode_cuda_graph"
+    cmd = [sys.executable, "run.py", "-m", "task=decode", "cluster=gpu1", "cluster.single_rank_collectives=true",
+           "system=occult", "system.dispatch_mode=static", "task.cuda_graph=true,false", "model=olmoe_proxy",
+           "model.init=random", "model.dtype=bfloat16", "task.new_tokens=16", "task.iters=3",
+           f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    res["decode_command"] = " ".join(cmd[1:])
+    res["decode_returncode"] = proc.returncode
+    if proc.returncode:
+        res["decode_stderr_tail"] = proc.stderr[-2000:]
+        return res
+    for path in sweep.rglob("results.parquet"):
+        df = pd.read_parquet(path)
+        graph = "graph" if "cuda_graph=true" in str(path.parent) else "eager"
+        lat = df[(df.metric == "token_latency") & (df["rank"] == -1)].value
+        res[f"decode_{graph}_token_latency_ms"] = float(lat.median())
+        res[f"decode_{graph}_parity_checked"] = bool((df[df.metric == "parity_checked"].value == 1).all())
+    return res
+
+
 def measured_profile(name: str, tp: dict) -> str:
     """A projection profile: sim_h100x8's links (datasheet), this GPU's measured compute and memory."""
     import yaml
@@ -228,7 +278,8 @@ def measured_profile(name: str, tp: dict) -> str:
 STEPS = {"triton_kernels": lambda args, out: triton_kernels(args.tokens),
          "megablocks_library": lambda args, out: megablocks_library(args.tokens),
          "nccl_world": lambda args, out: nccl_world(out, args.tokens),
-         "throughput": lambda args, out: throughput(args.tokens)}
+         "throughput": lambda args, out: throughput(args.tokens),
+         "cuda_graphs": lambda args, out: cuda_graphs(out)}
 
 
 def failed_checks(report: dict) -> list:

@@ -106,11 +106,16 @@ def eplb_slot_placements(P: int) -> list:
 
 def eplb_jobs(P: int) -> tuple[list, list]:
     """naive on EPLB's slot placements (round_robin copies; training sums a copied expert's
-    gradient over its copies): the grid's jobs and labels."""
+    gradient over its copies), and its static dispatch there on two cases: the grid's jobs
+    and labels."""
     jobs, labels = [], []
     naive = exact_systems()["naive"]
+    static = exact_systems()["naive(dispatch_mode=static)"]
     for label, E, placement in eplb_slot_placements(P):
         T = (5, 9, 4, 7)[:P] if P > 1 else (11,)
+        for case in (LayerCase(E, 2, T, routing="uniform", seed=E), LayerCase(E, 8, T, routing="router", seed=E + 1)):
+            jobs.append((static, case, placement))
+            labels.append((f"{label}, static", case, static))
         for K in (1, 2, 8):
             for case in (LayerCase(E, K, T, routing="uniform", seed=E * 10 + K),
                          LayerCase(E, K, T, routing="router", renormalize=True, seed=E * 10 + K + 1)):
@@ -227,9 +232,12 @@ def test_naive_on_eplb_slots_matches_reference(world):
     assert not failures, "\n".join(failures[:20])
     placements = {label: pl for label, _, pl in eplb_slot_placements(world.P)}
     assert any(bool((pl.copies_E() > 1).any()) for pl in placements.values())
-    for i, (name, case, system) in slot[:4]:      # naive's plan on the slots = what every rank logged
+    static = [(i, lab) for i, lab in slot if lab[0].endswith(", static")]
+    assert static
+    for i, (name, case, system) in slot[:4] + static[:2]:    # naive's plan on the slots = what every rank logged
         per_rank = [r[i] for r in world.results]
-        assert not plan_disagreements(name, system, case, per_rank, world.P, NODES[world.P], placements[name])
+        assert not plan_disagreements(name, system, case, per_rank, world.P, NODES[world.P],
+                                      placements[name.removesuffix(", static")])
 
 
 @pytest.mark.timeout(300)

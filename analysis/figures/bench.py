@@ -24,9 +24,16 @@ config of a world is its own run), its figures and its ratios to the first syste
   ratio a system would reach if its only difference from the baseline were that
   replayed transfer time, (baseline's iteration - its raw all-to-all + the system's) /
   baseline's iteration;
+* decode in both dispatch modes (``system.dispatch_mode``: dynamic, static): per step, the
+  bytes each rank sent other ranks on the wire (``step_wire_KB``), the valid ones, what a
+  low-latency kernel sends (``step_valid_KB``), and the padding rows, summed over ranks; a
+  system's own index work per step (``own_index_ms_per_step``: its spans ``<system>_*``);
+  ``mode_latency_ratio``, the latency over the first system's in the same mode;
 * the targets of the "Occult at its limit" work (``report_options.bench`` of
   conf/experiment/bench.yaml: shapes, columns and bounds), each with its measured value
-  and, where one is measured, its floor (``measured_floor``, named in ``floor_is``);
+  and, where one is measured, its floor (``measured_floor``, named in ``floor_is``); with
+  ``static_decode_bound``, one per proxy: Occult's static decode token latency over naive's
+  static, its floor the same with Occult's own index work per step free (measured);
 * collective bandwidth (``bench_bandwidth``): every timed all-to-all's algbw and busbw
   (:mod:`analysis.balance`);
 * traffic plans (``task=simulate``, ``bench_plans.csv``): per system, the seconds and the
@@ -46,7 +53,9 @@ from ..summary import RUN_KEYS, TASK_LATENCY, baseline_value, ratio_to, run_tabl
 
 # what a target's measured floor is (the targets table's floor_is column)
 FLOOR_IS = {"layer": "route + collectives + experts step, index work and waits free (layer_*_floor_ratio)",
-            "models": "only the collectives' plain all_to_all_single time differs from naive (a2a_only_ratio)"}
+            "models": "only the collectives' plain all_to_all_single time differs from naive (a2a_only_ratio)",
+            "static": "Occult's own index work free (its spans {system}_* in the decode steps: {ms:.3g} ms per "
+                      "step, measured); what static mode leaves between the two systems"}
 
 
 def ratio_table(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
@@ -149,7 +158,8 @@ def model_table(df: pd.DataFrame) -> pd.DataFrame:
                     "system_options": rows.system_options.iloc[0], "latency_metric": metric,
                     "latency_ms": lat.median(), "remote_MB_fwd": remote.value.sum() / 1e6,
                     "iteration_ms": _iteration_ms(rows, workload), "raw_a2a_ms": _raw_a2a_per_iteration(rows),
-                    "run_id": run_id})
+                    "dispatch_mode": _dispatch_mode(rows.system_options.iloc[0]), **_step_traffic(rows),
+                    "own_index_ms_per_step": _own_per_step(rows), "run_id": run_id})
     table = pd.DataFrame(out)
     if table.empty:
         return table
@@ -161,10 +171,44 @@ def model_table(df: pd.DataFrame) -> pd.DataFrame:
     table["raw_a2a_ratio"] = table.raw_a2a_ms / base("raw_a2a_ms")
     base_iter, base_raw = base("iteration_ms"), base("raw_a2a_ms")
     table["a2a_only_ratio"] = (base_iter - base_raw + table.raw_a2a_ms) / base_iter
-    shown = ["model", "workload", "system", "impl", "label", "system_options", "latency_metric", "latency_ms",
-             "remote_MB_fwd", "iteration_ms", "raw_a2a_ms", "latency_ratio", "remote_bytes_ratio", "raw_a2a_ratio",
-             "a2a_only_ratio", "run_id"]
+    # against the first system in the same dispatch mode (static occult over static naive)
+    table["mode_latency_ratio"] = table.latency_ms / baseline_value(table, "latency_ms", baseline,
+                                                                    keys + ["dispatch_mode"])
+    shown = ["model", "workload", "system", "impl", "label", "dispatch_mode", "system_options", "latency_metric",
+             "latency_ms", "remote_MB_fwd", "iteration_ms", "raw_a2a_ms", "latency_ratio", "mode_latency_ratio",
+             "remote_bytes_ratio", "raw_a2a_ratio", "a2a_only_ratio", "step_wire_KB", "step_valid_KB",
+             "step_padding_rows", "own_index_ms_per_step", "run_id"]
     return table[shown]
+
+
+def _dispatch_mode(system_options: str) -> str:
+    """A run's ``system.dispatch_mode`` (``dynamic`` for a system without the option)."""
+    import json
+    try:
+        return str(json.loads(system_options or "{}").get("dispatch_mode", "dynamic"))
+    except ValueError:
+        return "dynamic"
+
+
+def _step_traffic(rows: pd.DataFrame) -> dict:
+    """A decode run's bytes per step sent to other ranks, on the wire and valid (KB), and its
+    padding rows per step: summed over ranks, median over samples (NaN for another workload)."""
+    out = {}
+    for col, metric, scale in (("step_wire_KB", "step_wire_bytes", 1e3), ("step_valid_KB", "step_valid_bytes", 1e3),
+                               ("step_padding_rows", "step_padding_rows", 1.0)):
+        sel = rows[(rows.metric == metric) & (rows["rank"] >= 0)]
+        out[col] = float(sel.groupby("sample").value.sum().median()) / scale if not sel.empty else float("nan")
+    return out
+
+
+def _own_per_step(rows: pd.DataFrame) -> float:
+    """A decode run's time per step in the system's own spans (``<system>_*``), summed per rank:
+    slowest rank, median over samples (NaN for another workload, or a system without any)."""
+    system = rows.system.iloc[0]
+    sel = rows[(rows.metric == "step_span_time") & rows.phase.str.startswith(f"{system}_")]
+    if sel.empty:
+        return float("nan")
+    return float(sel.groupby(["sample", "rank"]).value.sum().groupby("sample").max().median())
 
 
 def _iteration_ms(rows: pd.DataFrame, workload: str) -> float:
@@ -206,8 +250,9 @@ def _layer_target(layers: pd.DataFrame, system: str, target: dict) -> dict:
 
 
 def _model_rows(models: pd.DataFrame, system: str, model_targets, whole_models_bound) -> list:
-    """The whole-model targets: the median over proxy x task, and each (model, workload) target."""
-    occ = models[models.system == system] if not models.empty else models
+    """The whole-model targets: the median over proxy x task, and each (model, workload) target
+    (the dynamic dispatch's runs; the static ones have targets of their own)."""
+    occ = models[(models.system == system) & (models.dispatch_mode == "dynamic")] if not models.empty else models
     if occ.empty:
         return []
     rows = []
@@ -225,13 +270,32 @@ def _model_rows(models: pd.DataFrame, system: str, model_targets, whole_models_b
     return rows
 
 
+def _static_decode_rows(models: pd.DataFrame, system: str, bound) -> list:
+    """Per proxy: ``system``'s static decode token latency over the first system's static
+    (``mode_latency_ratio``), and its floor: the same with the system's own index work per
+    step free (measured)."""
+    if bound is None or models.empty:
+        return []
+    sel = models[(models.system == system) & (models.dispatch_mode == "static") & (models.workload == "decode")]
+    rows = []
+    for _, r in sel.iterrows():
+        base_ms = r.latency_ms / r.mode_latency_ratio
+        own = r.own_index_ms_per_step
+        rows.append({"target": f"{system} static decode token latency / the first system's static, {r.model}",
+                     "bound": f"<= {bound}", "measured": r.mode_latency_ratio, "met": r.mode_latency_ratio <= bound,
+                     "measured_floor": (r.latency_ms - own) / base_ms if own == own else float("nan"),
+                     "floor_is": FLOOR_IS["static"].format(system=system, ms=own)})
+    return rows
+
+
 def targets_table(layers: pd.DataFrame, models: pd.DataFrame, system: str = "occult", layer_targets=(),
                   model_targets=(), whole_models_bound=None, activation_bound=None,
-                  a2a_efficiency_bound=None) -> pd.DataFrame:
+                  a2a_efficiency_bound=None, static_decode_bound=None) -> pd.DataFrame:
     """Each target (the experiment's ``report_options.bench``) with the value this benchmark
     measured for ``system`` (NaN: not run); a bound that is None is not checked."""
     rows = [_layer_target(layers, system, t) for t in layer_targets]
     rows += _model_rows(models, system, model_targets, whole_models_bound)
+    rows += _static_decode_rows(models, system, static_decode_bound)
     if not layers.empty and "activation_MB_max_rank_ratio" in layers and activation_bound is not None:
         act = layers[layers.system == system].activation_MB_max_rank_ratio
         if not act.empty:

@@ -145,6 +145,20 @@ def step_traffic_rows(events, steps: int, rank: int, sample: int) -> list:
             row("step_padding_rows", padding / steps, "rows", **where)]
 
 
+def step_span_rows(spans, steps: int, rank: int, sample: int) -> list:
+    """Per decode step, the time this rank spent in each named span of the steps (``spans``:
+    the recorder's spans after the prompt; forward only), summed over layers: ``step_span_time``
+    rows, ``phase`` the span's name (e.g. a system's own index work, ``occult_index``)."""
+    if steps < 1:
+        return []
+    total: dict = {}
+    for _, name, direction, seconds in spans:
+        if direction == "forward":
+            total[name] = total.get(name, 0.0) + seconds
+    return [row("step_span_time", s * 1e3 / steps, "ms", rank=rank, phase=name, direction="forward", sample=sample)
+            for name, s in sorted(total.items())]
+
+
 def token_rows(ids_TK: torch.Tensor, placement, home_T: torch.Tensor, layer: int, rank: int) -> list:
     """C_T (all, remote), intra-collaboration ratio and the token count of the tokens
     ``ids_TK`` (their home ranks ``home_T``), as rows of ``rank`` (-1: over all ranks)."""

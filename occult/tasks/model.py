@@ -26,7 +26,7 @@ from ..ep.static import dynamic_calls
 from ..models.grad_sync import GradSync
 from ..models.runtime import base_model, forward_micro_batches, make_rank_model, micro_batches
 from ..records import row
-from .common import comm_rows, parity_gate, routing_rows, step_traffic_rows, timing_rows
+from .common import comm_rows, parity_gate, routing_rows, step_span_rows, step_traffic_rows, timing_rows
 
 
 def prepare(cfg_dict: dict) -> dict:
@@ -209,7 +209,7 @@ class DecodeWorkload(PrefillWorkload):
             with dynamic_calls():
                 outs = self.forward([{"input_ids": x, "use_cache": True} for x in self.x_mBS])
             ttft = clock() - t0
-            prompt_events = len(rec.comm)
+            prompt_events, prompt_spans = len(rec.comm), len(rec.spans)
             for _ in range(t.new_tokens):
                 ts = clock()
                 outs = self.forward([{"input_ids": out.logits[:, -1].argmax(-1, keepdim=True), "cache": out.cache,
@@ -221,6 +221,7 @@ class DecodeWorkload(PrefillWorkload):
         rows = timing_rows(rec, sample)
         rec.settle()           # the steps' valid rows, read after the steps
         rows += step_traffic_rows(rec.comm[prompt_events:], t.new_tokens, ctx.rank, sample)
+        rows += step_span_rows(rec.spans[prompt_spans:], t.new_tokens, ctx.rank, sample)
         # one sample per generated token: sample = iteration * N + step
         rows += [row("time", s * 1e3, "ms", rank=ctx.rank, phase="decode_step", sample=sample * t.new_tokens + k)
                  for k, s in enumerate(steps)]
