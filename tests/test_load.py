@@ -213,3 +213,56 @@ def test_the_layer_tasks_eplb_placement_is_built_from_a_profiling_draw_and_writt
     on_eplb = torch.bincount(pl.pair_devices(torch.cat(ids), home_T).flatten(), minlength=4).double()
     assert received_max_over_mean(torch.cat(ids), 64, 4) == pytest.approx(2.0, rel=0.02)
     assert float(on_eplb.max() / on_eplb.mean()) < 1.2
+
+
+def test_affinity_packing_keeps_eplbs_counts_and_trades_load_for_c_t():
+    """Affinity-aware EPLB: the library's replica counts, every GPU e slots, copies of an
+    expert on distinct GPUs; a co-activation weight above 0 lowers C_T on routing whose
+    experts come in co-activated groups (round robin on both)."""
+    pytest.importorskip("eplb")
+    from occult.ep.accounting import devices_per_token
+    from occult.placement.affinity import affinity_placements
+    from occult.placement.eplb import eplb_placements
+    E, K, P, T = 32, 4, 4, 128
+    g = torch.Generator().manual_seed(0)
+    group_N = torch.randint(0, 4, (2 * T * P,), generator=g)
+    pop_NE = (1.0 / torch.arange(1, E + 1, dtype=torch.float64)).expand(2 * T * P, E).clone()
+    pop_NE[(torch.arange(E) % 4).unsqueeze(0) == group_N.unsqueeze(1)] *= 20
+    ids = torch.multinomial(pop_NE, K, generator=g)
+    prof, ev = ids[:T * P], ids[T * P:]
+    load_E = torch.bincount(prof.flatten(), minlength=E).double()
+    eplb = eplb_placements({0: load_E}, 4, P)[0]
+    home = torch.arange(P).repeat_interleave(T)
+    ct = {}
+    for w in (0.0, 0.25):
+        pl = affinity_placements({0: prof}, E, 4, P, 0, w)[0]
+        assert torch.equal(pl.copies_E(), eplb.copies_E()) and pl.num_local == (E + 4) // P
+        for x in (pl.copies_E() > 1).nonzero().flatten().tolist():
+            assert pl.device_S[pl.expert_S == x].unique().numel() == int(pl.copies_E()[x])
+        ct[w] = devices_per_token(ev, pl, home).double().mean().item()
+    assert ct[0.25] < ct[0.0]
+
+
+def test_placement_load_plans_every_arm_and_its_rows_are_the_plans():
+    """task=placement_load's arms: every placement with naive and occult, every rule where
+    there are copies; an arm's received rows are its plan's, C_T its pairs' devices."""
+    pytest.importorskip("eplb")
+    from occult.ep.accounting import devices_per_token
+    from occult.ep.comm import EPGroup
+    from occult.tasks.placement_load import arm_rows, arms
+    pl, ids, home_T = eplb_world(T=32, r=8)
+    found = arms({"contiguous": Placement.contiguous(64, 4), "eplb_r8": pl})
+    assert [a[0] for a in found][:3] == ["contiguous:naive:-", "contiguous:occult:-", "eplb_r8:naive:round_robin"]
+    assert len(found) == 2 + 2 * 4
+    dims = {"E": 64, "K": 8, "D": 16, "F": 8, "P": 4, "G": 0}
+    ep = EPGroup(0, 4, None, "cpu", 0)
+    for arm in (found[2], found[-1]):                     # naive round robin, occult collaborative
+        rows = arm_rows(RowShape(16, 8, torch.float32), dims, ep, arm, ids, 0)
+        value = {r["metric"]: r["value"] for r in rows if r["rank"] == -1 and "/" not in r["phase"]}
+        ruled = pl.with_rule(arm[3])
+        assert value["ct_all"] == pytest.approx(devices_per_token(ids, ruled, home_T).double().mean().item())
+        recv = [r["value"] for r in rows if r["metric"] == "recv_rows"]
+        if arm[2] == "naive":
+            assert recv == torch.bincount(pl.device_S[ruled.pair_slots(ids, home_T)].flatten(), minlength=4).tolist()
+        assert value["recv_max_over_mean"] == pytest.approx(max(recv) / (sum(recv) / 4))
+        assert value["expert_slots"] == 18

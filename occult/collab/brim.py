@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ep import Placement
+from ..ep.permute import home_of
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,7 @@ def build_brim0(topk_ids_TK: torch.Tensor, placement: Placement, home: int = 0) 
     T, K = topk_ids_TK.shape
     keep_TK = topk_ids_TK >= 0
     tok_TK = torch.arange(T, device=topk_ids_TK.device).unsqueeze(1).expand(T, K)
-    home_T = torch.full((T,), home, dtype=torch.long, device=topk_ids_TK.device)
-    device_TK, local_TK = placement.pair_local(topk_ids_TK, home_T)
+    device_TK, local_TK = placement.pair_local(topk_ids_TK, home_of(topk_ids_TK, home))
     key_Q = device_TK[keep_TK] * T + tok_TK[keep_TK]
     keys_R, row_Q = torch.unique(key_Q, sorted=True, return_inverse=True)
     row_TK = torch.full_like(topk_ids_TK, -1)

@@ -10,12 +10,14 @@ workload drawn at seed + 1) and judged on the evaluation tokens:
   :func:`occult.placement.optimise`, at ``task.load_cap``; one copy per expert);
 * ``eplb_r<R>`` for R in 0, E/8, E/4 (DeepSeek's EPLB, the real library, rounded up to a
   count the world divides), and ``affinity_r<R>`` for R in E/8, E/4 (EPLB's counts packed
-  with co-activation, :mod:`occult.placement.affinity`, ``task.affinity_weight``);
+  with co-activation, :mod:`occult.placement.affinity`, ``task.affinity_weight``), with
+  ``affinity_r<E/8>_w<w>`` at the other weights of :data:`WEIGHT_SWEEP` (occult only);
 
 each with ``system`` naive and occult and, on a placement with copies, every replica rule
-(:mod:`occult.ep.replica_rules`). An arm's traffic is its system's plan for every rank (the
+(:mod:`occult.ep.replica_rules`; on the affinity-aware packing with occult also the
+collaborative rule at slack 0 and without a cap, ``collaborative@0`` / ``collaborative@inf``). An arm's traffic is its system's plan for every rank (the
 functions its dispatch sizes its collectives with, checked equal to what the ranks send in
-the parity suite). Rows (``phase`` = the arm, ``<placement>|<system>|<rule>``): per layer,
+the parity suite). Rows (``phase`` = the arm, ``<placement>:<system>:<rule>``): per layer,
 ``ct_all``, ``recv_max_over_mean`` (received dispatch rows, max / mean over ranks),
 ``bytes`` (every planned collective, forward and backward, all ranks), ``expert_slots``
 (experts a device holds, copies included), ``expert_memory_bytes`` (x 3 D F weights);
@@ -43,6 +45,12 @@ from .simulate import one_thread, rank_routing, task_layers, world_source
 
 SYSTEMS = {"naive": "baselines.naive.NaiveDispatcher", "occult": "occult.collab.dispatcher.OccultDispatcher"}
 OPTIMISED = ("random", "greedy", "swap_search")
+# other co-activation weights of the affinity-aware packing (E/8 redundant; occult with round
+# robin and collaborative only): the packing's trade-off between C_T and load
+WEIGHT_SWEEP = (0.0, 0.1)
+# the collaborative rule's cap at its ends, on the affinity-aware packing with occult (what bounds
+# the target): slack 0 (the tightest cap) and no cap
+SLACKS = {"0": 0.0, "inf": 1e9}
 
 
 def redundant_counts(E: int, P: int) -> list:
@@ -83,11 +91,16 @@ def layer_placements(cfg, prof_NK: torch.Tensor, devices_per_node: int) -> dict:
     for name in OPTIMISED:
         out[name] = optimise(name, prof_NK, E, P, load_cap=t.load_cap, seed=cfg.seed, time_limit_s=t.time_limit_s)
     load_E = torch.bincount(prof_NK.flatten(), minlength=E).double()
-    for r in redundant_counts(E, P):
+    counts = redundant_counts(E, P)
+    for r in counts:
         out[f"eplb_r{r}"] = eplb_placements({0: load_E}, r, P, devices_per_node)[0]
         if r:
             out[f"affinity_r{r}"] = affinity_placements({0: prof_NK}, E, r, P, devices_per_node,
                                                         t.affinity_weight)[0]
+    for w in WEIGHT_SWEEP:                      # the packing's trade-off, at the smaller count
+        if w != t.affinity_weight and len(counts) > 1:
+            out[f"affinity_r{counts[1]}_w{w}"] = affinity_placements({0: prof_NK}, E, counts[1], P,
+                                                                     devices_per_node, w)[0]
     return out
 
 
@@ -97,8 +110,15 @@ def arms(placements: dict) -> list:
     for name, pl in placements.items():
         copies = hasattr(pl, "copies_E") and bool((pl.copies_E() > 1).any())
         for system in SYSTEMS:
-            for rule in (REPLICA_POLICIES if copies else ("-",)):
-                out.append((f"{name}|{system}|{rule}", pl, system, rule))
+            rules = list(REPLICA_POLICIES if copies else ("-",))
+            if "_w" in name:
+                if system == "naive":
+                    continue
+                rules = ["round_robin", "collaborative"]
+            elif copies and name.startswith("affinity") and system == "occult":
+                rules += [f"collaborative@{s}" for s in SLACKS]
+            for rule in rules:
+                out.append((f"{name}:{system}:{rule}", pl, system, rule))
     return out
 
 
@@ -127,7 +147,10 @@ def typed_system(system: str, rule: str):
     """The typed config of ``system`` with replica rule ``rule`` ("-": its default), made once."""
     d = {"name": system, "_target_": SYSTEMS[system]}
     if rule != "-":
-        d["replica_policy"] = rule
+        policy, _, slack = rule.partition("@")
+        d["replica_policy"] = policy
+        if slack:
+            d["slack"] = SLACKS[slack]
     return system_config(d)
 
 
