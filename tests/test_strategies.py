@@ -363,6 +363,9 @@ def test_the_strategies_experiment_runs_every_exact_system():
     assert measured == exact, exact ^ measured
     assert str(params["b16/cluster.world_size"]) == "16" and str(params["b16/cluster.devices_per_node"]) == "8"
     assert params["r8/system.profile"] == "sim_h100x8" and params["r16/system.profile"] == "sim_h100x2node"
+    # the schedules (docs/schedules.md): co-executed micro-batches, prefill and train; the gradient syncs
+    assert str(params["mb/task.microbatches"]) == "2" and set(params["mb/task"].split(",")) == {"prefill", "train"}
+    assert set(params["gs/task.grad_sync"].split(",")) == {"overlap", "lina"} and params["gs/task"] == "train"
 
 
 def test_modern_models_runs_every_exact_system_on_todays_proxies():

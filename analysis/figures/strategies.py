@@ -31,7 +31,7 @@ from occult.ep.links import load_profile
 from ..plots import plt, save, style, system_order
 from ..projection import pipeline_degree, project_runs, projected_totals, target_model
 from ..sections import Section, no_data
-from ..summary import RUN_KEYS, ratio_to, task_latency
+from ..summary import RUN_KEYS, a2a_total_ms, baseline_value, ratio_to, task_latency
 
 # where each machine's projection comes from: (column, profile, world size of its runs)
 MACHINES = [("4 x A6000", "sim_a6000x4", 4), ("8 x H100", "sim_h100x8", 8), ("2 x 8 H100", "sim_h100x2node", 16)]
@@ -66,17 +66,28 @@ def collectives_per_layer(run: pd.DataFrame, direction: str = "forward") -> floa
     return c.value.sum() / c.layer.nunique() if not c.empty else float("nan")
 
 
+def co_executed(run: pd.DataFrame) -> bool:
+    """Whether the run's micro-batches were co-executed (``task.microbatches`` > 1): its
+    spans then hold the other strands' turns, and only ``exposed_comm`` is communication."""
+    m = run[run.metric == "microbatches"].value
+    return bool(len(m)) and float(m.max()) > 1
+
+
 def exposed_ms(run: pd.DataFrame) -> float:
     """Measured MoE time not spent in expert compute, per MoE layer (forward): per rank and
     sample, the layers' ``dispatch``, ``combine`` and ``exposed_comm`` spans (a system that
-    times its layer as one ``moe`` span: that minus its ``experts``), the slowest rank per
-    sample, the median over samples, divided by the MoE layers."""
+    times its layer as one ``moe`` span: that minus its ``experts``; co-executed
+    micro-batches: their ``exposed_comm`` only, the waits for collectives that the other
+    strands' compute did not hide), the slowest rank per sample, the median over samples,
+    divided by the MoE layers."""
     t = run[(run.metric == "time") & (run["pass"] == "forward") & (run["sample"] >= 0) & (run.layer >= 0)]
     if t.empty:
         return float("nan")
     sums = t.groupby(["sample", "rank", "phase"]).value.sum().unstack("phase", fill_value=0.0)
     column = lambda phase: sums[phase] if phase in sums else 0.0
-    if "moe" in sums:
+    if co_executed(run):
+        exposed = column("exposed_comm")
+    elif "moe" in sums:
         exposed = column("moe") - column("experts")
     else:
         exposed = column("dispatch") + column("combine") + column("exposed_comm")
@@ -93,6 +104,12 @@ def run_summary(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def vs_plain_naive(table: pd.DataFrame, column: str) -> pd.Series:
+    """``column`` over naive EP's in the row with the same run keys, naive's own run being the
+    unlabelled one (not a labelled schedule of naive: its micro-batches, its gradient sync)."""
+    return table[column] / baseline_value(table.assign(system=table.system.where(table.label == "", "")), column)
+
+
 def projections(df: pd.DataFrame) -> pd.DataFrame:
     """Projected MoE time per run on each machine, and its ratio to naive: one row per
     (run, machine)."""
@@ -103,7 +120,7 @@ def projections(df: pd.DataFrame) -> pd.DataFrame:
         if tot.empty:
             continue
         tot["label"] = tot.run_id.map(runs.groupby("run_id").label.first())
-        tot["ratio"] = ratio_to(tot, "moe_ms")
+        tot["ratio"] = vs_plain_naive(tot, "moe_ms")
         tot["machine"] = machine
         frames.append(tot)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
@@ -129,7 +146,7 @@ def strategies_table(df: pd.DataFrame) -> pd.DataFrame:
     if runs.empty or lat.empty:
         return pd.DataFrame()
     table = lat[lat.world_size == MEASURED_WORLD].copy()
-    table["measured_vs_naive"] = ratio_to(table, "latency_ms")
+    table["measured_vs_naive"] = vs_plain_naive(table, "latency_ms")
     table = table[ROW_KEYS + ["latency_ms", "measured_vs_naive", "run_id"]].reset_index(drop=True)
     here, p16 = runs[runs.world_size == MEASURED_WORLD], runs[runs.world_size == 16]
     for column, frame, source in (("remote_MB_P4", here, "remote_MB"),
@@ -201,7 +218,75 @@ def build(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     if missing:
         text.append("Not projected (no runs at that world size in this sweep): " + ", ".join(missing) + ".")
     sections = [Section(title, text, [("strategies", table)], figs)]
-    return sections + two_nodes(df) + pipelining(df, out_dir)
+    return sections + schedules(df) + two_nodes(df) + pipelining(df, out_dir)
+
+
+def _slowest_median(run: pd.DataFrame, metric: str, phase=None, direction=None) -> float:
+    """A metric's timed values summed per rank and sample (one phase and pass, when given),
+    the slowest rank per sample, the median over samples (NaN without any)."""
+    t = run[(run.metric == metric) & (run["sample"] >= 0) & (run["rank"] >= 0)]
+    if phase is not None:
+        t = t[t.phase == phase]
+    if direction is not None:
+        t = t[t["pass"] == direction]
+    if t.empty:
+        return float("nan")
+    return float(t.groupby(["sample", "rank"]).value.sum().groupby("sample").max().median())
+
+
+def schedules(df: pd.DataFrame) -> list[Section]:
+    """Micro-batch co-execution and the gradient sync's schedules (docs/schedules.md): every
+    whole-model run at P = MEASURED_WORLD of a system that also ran a schedule, its latency
+    over the same system's plain run, its forward collectives' time and the part of it left
+    exposed, and (train) the backward's all-to-all time and the gradient all-reduce left after
+    the backward."""
+    from occult.models.grad_sync import GRAD_SYNCS
+
+    runs = df[(df.world_size == MEASURED_WORLD) & df.task.isin(WHOLE_MODEL_TASKS)]
+    lat = task_latency(runs)
+    if lat.empty:
+        return []
+    rows = []
+    for run_id, run in runs.groupby("run_id", sort=False):
+        mb = run[run.metric == "microbatches"].value
+        mode = run[run.metric == "grad_sync_mode"].value
+        layers = max(run[(run.metric == "a2a_time") & (run.layer >= 0)].layer.nunique(), 1)
+        fwd = a2a_total_ms(run).get(run_id, float("nan")) / layers
+        rows.append({"run_id": run_id, "microbatches": int(mb.max()) if len(mb) else 1,
+                     "grad_sync": GRAD_SYNCS[int(mode.max())] if len(mode) else "",
+                     "collectives_ms_per_layer": fwd,
+                     # without co-execution the rank waits for every collective: all of it is exposed
+                     "exposed_comm_ms_per_layer": exposed_ms(run) if co_executed(run) else fwd,
+                     "backward_a2a_ms": a2a_total_ms(run, ("backward",)).get(run_id, float("nan")),
+                     "grad_sync_exposed_ms": _slowest_median(run, "time", "grad_sync", "backward"),
+                     "allreduces_in_backward": _slowest_median(run, "grad_sync_started_in_backward"),
+                     "allreduces": _slowest_median(run, "grad_sync_allreduces")})
+    table = lat.merge(pd.DataFrame(rows), on="run_id")
+    scheduled = (table.microbatches > 1) | ~table.grad_sync.isin(["", "end"])
+    if not scheduled.any():
+        return []
+    keys = ["model", "task", "system"]
+    table = table[table.set_index(keys).index.isin(table[scheduled].set_index(keys).index)]
+    plain = table[~scheduled.loc[table.index] & (table.label == "")].groupby(keys).latency_ms.median()
+    table = table.assign(vs_plain=table.latency_ms / table.set_index(keys).index.map(
+        lambda k: plain.get(k, np.nan)).to_numpy(dtype=float))
+    cols = ["model", "task", "system", "label", "microbatches", "grad_sync", "latency_ms", "vs_plain",
+            "collectives_ms_per_layer", "exposed_comm_ms_per_layer", "backward_a2a_ms", "grad_sync_exposed_ms",
+            "allreduces", "allreduces_in_backward"]
+    text = [f"P = {MEASURED_WORLD} here. Micro-batch co-execution (task.microbatches, DHelix's strands, the two-batch "
+            "overlap of DeepSeek-V3's and SGLang's inference) and the gradient sync's schedule (task.grad_sync: "
+            "end, overlap as DDP's buckets, Lina's partitions between the all-to-alls) beside the same system's "
+            "plain run (vs_plain: latency over it; prefill: time to first token, train: step time). "
+            "collectives_ms_per_layer: the forward's collectives per MoE layer (start to end of wait, slowest "
+            "rank, median); exposed_comm_ms_per_layer: of that, what no computation hid (a plain run waits for "
+            "all of it; a co-executed one for what the other micro-batch's turn did not cover). Train: the "
+            "backward's all-to-all time per step (competing with the gradient all-reduce under overlap and "
+            "lina), the all-reduce left after the backward, and its calls (and how many started during the "
+            "backward). On this machine's 2 shared cores the strands and gloo's transfers share the same cores: "
+            "these numbers measure the schedule, not a GPU's overlap (docs/schedules.md)."]
+    return [Section("Schedules: micro-batch co-execution and the gradient sync", text,
+                    [("schedules", table[cols].sort_values(["model", "task", "system", "microbatches", "grad_sync"]))],
+                    [])]
 
 
 def two_nodes(df: pd.DataFrame) -> list[Section]:

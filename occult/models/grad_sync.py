@@ -52,9 +52,10 @@ GRAD_SYNCS = ("end", "overlap", "lina")
 # DDP's default bucket is 25 MB for models of billions of weights; the CPU proxies' replicated
 # weights are a few MB, so that buckets of 1 MB give several per step
 BUCKET_BYTES = 1 << 20
-# Lina's partitions: small enough that an all-to-all waits for little (Lina's own are of the
-# order of a few MB at 100 Gb/s; scaled to this machine's loopback and the proxies' sizes)
-PARTITION_BYTES = 64 << 10
+# Lina's partitions: small enough that an all-to-all waits for little, large enough that the
+# gaps carry much of the all-reduce (our choice for the proxies, whose replicated weights are a
+# few MB: the OLMoE proxy's naive backward has 8 gaps between MoE collectives, one partition each)
+PARTITION_BYTES = 256 << 10
 
 
 def expert_parameters(model: nn.Module) -> set:

@@ -23,7 +23,7 @@ from ..ep import Recorder, system_config
 from ..ep.accounting import recording
 from ..ep.measure import clock, iterations, slowest
 from ..ep.static import dynamic_calls
-from ..models.grad_sync import GradSync
+from ..models.grad_sync import GRAD_SYNCS, GradSync
 from ..models.runtime import base_model, forward_micro_batches, make_rank_model, micro_batches
 from ..records import row
 from .common import comm_rows, parity_gate, routing_rows, step_span_rows, step_traffic_rows, timing_rows
@@ -258,7 +258,7 @@ class TrainWorkload(Workload):
             # each micro-batch's mean loss weighted by its share of the batch: their sum is the batch's mean
             losses = [nnf.cross_entropy(out.logits.flatten(0, 1), y.flatten()) * (y.numel() / y_BS.numel())
                       for out, y in zip(outs, ys)]
-            self.sync.backward(losses, rec)
+            synced = self.sync.backward(losses, rec)
         loss = sum(l.detach() for l in losses)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -269,6 +269,8 @@ class TrainWorkload(Workload):
         rows = timing_rows(rec, sample)
         rows.append(row("time", took * 1e3, "ms", rank=ctx.rank, phase="train_step", sample=sample))
         rows.append(row("loss", loss.item(), "nats/token", rank=ctx.rank, sample=sample))
+        # the gradient all-reduce's calls (task.grad_sync), and how many started before the backward ended
+        rows += [row(f"grad_sync_{k}", v, "calls", rank=ctx.rank, sample=sample) for k, v in synced.items()]
         if ctx.rank == 0:
             rows.append(row("step_time", worst * 1e3, "ms", phase="train", sample=sample))
             rows.append(row("tokens_per_s", t.batch_size * t.seq_len * ctx.world_size / worst, "tokens/s",
@@ -290,6 +292,8 @@ def run_workload(ctx, cfg_dict: dict, workload: str) -> list:
     work = WORKLOADS[workload](ctx, cfg, tok, model)
     if ctx.rank == 0:       # what the report tells co-executed runs by (their spans hold the other strands' turns)
         rows.append(row("microbatches", work.microbatches, "micro-batches"))
+        if isinstance(work, TrainWorkload):     # and the gradient sync's schedule, as its index in GRAD_SYNCS
+            rows.append(row("grad_sync_mode", GRAD_SYNCS.index(work.sync.mode), "index"))
     rec = Recorder(rank=ctx.rank, sync_collectives=cfg.task.sync_collectives)
     for sample in _iterations(ctx, cfg.task, rec):
         rows += work.step(rec, sample)
