@@ -42,27 +42,31 @@ def leader_clusters(x_RD: torch.Tensor, group_R: torch.Tensor, threshold: float)
     in index order, vectorised over groups (one round per leader of the largest group: the
     first unassigned pair of each group leads, and every unassigned pair of its group that
     is identical to it or, for threshold < 1, has cosine similarity >= threshold with it
-    joins). A leader is the smallest index of its cluster. [R] (long)."""
+    joins; each round looks at the unassigned pairs only; threshold 1: identical tokens,
+    found in one pass). A leader is the smallest index of its cluster. [R] (long)."""
     R = x_RD.shape[0]
     leader_R = torch.full((R,), -1, dtype=torch.long, device=x_RD.device)
     if R == 0:
         return leader_R
     x_RD = x_RD.detach()
-    unit_RD = x_RD / x_RD.norm(dim=1, keepdim=True).clamp_min(torch.finfo(x_RD.dtype).tiny)
     index_R = torch.arange(R, device=x_RD.device)
+    if threshold >= 1.0:       # identical tokens only: one pass over the distinct (group, token) rows
+        _, row_R = torch.unique(torch.cat([group_R.unsqueeze(1).to(x_RD.dtype), x_RD], 1), dim=0,
+                                return_inverse=True)
+        first_U = torch.full((int(row_R.max()) + 1,), R, dtype=torch.long, device=x_RD.device)
+        return first_U.scatter_reduce_(0, row_R, index_R, reduce="amin")[row_R]
+    unit_RD = x_RD / x_RD.norm(dim=1, keepdim=True).clamp_min(torch.finfo(x_RD.dtype).tiny)
     G = int(group_R.max()) + 1
-    while True:
-        open_R = leader_R < 0
-        if not bool(open_R.any()):
-            return leader_R
+    open_O = index_R                                       # the unassigned pairs, in index order
+    while open_O.numel():
+        group_O = group_R[open_O]
         first_G = torch.full((G,), R, dtype=torch.long, device=x_RD.device)
-        first_G.scatter_reduce_(0, group_R[open_R], index_R[open_R], reduce="amin")
-        lead_R = first_G[group_R].clamp(max=R - 1)          # R (group done) -> any row: masked below
-        join_R = (x_RD == x_RD[lead_R]).all(1)
-        if threshold < 1.0:
-            join_R |= (unit_RD * unit_RD[lead_R]).sum(1) >= threshold
-        join_R &= open_R & (first_G[group_R] < R)
-        leader_R = torch.where(join_R, lead_R, leader_R)
+        first_G.scatter_reduce_(0, group_O, open_O, reduce="amin")
+        lead_O = first_G[group_O]                          # every open pair's group has a first open pair
+        join_O = (x_RD[open_O] == x_RD[lead_O]).all(1) | ((unit_RD[open_O] * unit_RD[lead_O]).sum(1) >= threshold)
+        leader_R[open_O[join_O]] = lead_O[join_O]
+        open_O = open_O[~join_O]
+    return leader_R
 
 
 class LuffyDispatcher(LSHDispatcher):

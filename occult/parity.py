@@ -275,12 +275,13 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     worst = 0.0
     ref_blocks = {i: b for i, _, b in moe_blocks(ref, fam)}
     for i, layer in enumerate(model.model.layers):
-        if i not in ref_blocks or not hasattr(layer.mlp, "dispatcher"):
+        block = getattr(layer.mlp, "moe", layer.mlp)          # inside a shortcut wrapper (ScMoE)
+        if i not in ref_blocks or not hasattr(block, "dispatcher"):
             continue
-        local = layer.mlp.dispatcher.local_expert_ids
+        local = block.dispatcher.local_expert_ids
         ref_grads = expert_weights_from_block(_GradView(ref_blocks[i]))
         for key in ("w_gate", "w_up", "w_down"):
-            worst = max(worst, _rel_err(getattr(layer.mlp.experts, key).grad, ref_grads[key][local]))
+            worst = max(worst, _rel_err(getattr(block.experts, key).grad, ref_grads[key][local]))
     errors["grad_experts"] = worst
     sent = {}
     for ev in rec.comm:

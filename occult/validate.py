@@ -58,6 +58,10 @@ def _check_model(m) -> None:
     if m.init not in ("trained", "random"):
         raise ConfigError(f"model.init={m.init!r}: allowed values are ['trained', 'random']")
     _check_router(m)
+    from .models.families import family_of
+    from .models.shortcut import shortcut_error
+    if m.family and family_of(m.family).shortcut and shortcut_error(m.num_layers, m.first_k_dense):
+        raise ConfigError(shortcut_error(m.num_layers, m.first_k_dense))
 
 
 def _check_router(m) -> None:

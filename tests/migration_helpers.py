@@ -83,7 +83,9 @@ def profiled_table(ctx, x_BS):
     return model.table_VP
 
 
-def models_and_migration(ctx, jobs: list, migration: bool) -> tuple:
-    """One world for both: :func:`occult.parity.run_model_grid` and, when asked,
-    :func:`migration_world` (None otherwise)."""
-    return run_model_grid(ctx, jobs), migration_world(ctx) if migration else None
+def models_and_migration(ctx, jobs: list, migration: bool, scmoe: dict) -> tuple:
+    """One world for all: :func:`occult.parity.run_model_grid`, when asked
+    :func:`migration_world` (None otherwise), and ScMoE's schedules on model config ``scmoe``
+    (:func:`scmoe_helpers.schedule_world`)."""
+    from scmoe_helpers import schedule_world
+    return run_model_grid(ctx, jobs), migration_world(ctx) if migration else None, schedule_world(ctx, scmoe)

@@ -79,6 +79,9 @@ def test_unknown_system_lists_the_choices():
      r"system.topk_group=5: allowed values are 1..4 \(the world size"),
     (["model=mixtral", "system=group_limit", "system.topk_group=1", "cluster=cpu8"],
      r"system.topk_group=1: 1 device\(s\) x 1 experts cannot hold top_k=2; allowed values are 2..8"),
+    (["model=scmoe_proxy", "model.num_layers=1"],
+     r"^model.num_layers=1: a shortcut-connected model \(family scmoe\) feeds each MoE block from the MoE block "
+     r"before it; with 1 MoE layer\(s\) there is none to feed"),
 ])
 def test_validation_errors_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):

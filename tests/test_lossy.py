@@ -158,3 +158,15 @@ def test_adaptive_keep_follows_its_definition():
         ids = torch.arange(6).repeat(200, 1)
         kept_ids, _ = adaptive_by_hand(ids, w, threshold)
         assert torch.equal(adaptive_keep(w, threshold), kept_ids >= 0), threshold
+
+
+def test_luffy_sits_beside_lsh_in_the_lossy_front():
+    from hydra import compose, initialize_config_dir
+
+    from analysis.figures.lossy_front import family_of
+    from occult.config import CONF_DIR, register
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        params = compose("config", overrides=["experiment=lossy_front"], return_hydra_config=True).hydra.sweeper.params
+    assert params["luffy/system"] == "luffy" and params["lsh/system"] == "lsh"
+    assert family_of("luffy_0.9") == "luffy" and family_of("lsh_4") == "lsh"

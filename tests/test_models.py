@@ -15,8 +15,9 @@ from occult.parity import run_model_grid
 from migration_helpers import models_and_migration
 
 PROXIES = ["olmoe_proxy", "qwen_moe_proxy", "deepseek_moe_proxy", "deepseek_v3_proxy", "qwen3_moe_proxy",
-           "mixtral_proxy"]
+           "mixtral_proxy", "scmoe_proxy"]
 SYSTEMS = [("naive", "baselines.naive.NaiveDispatcher"), ("occult", "occult.collab.dispatcher.OccultDispatcher")]
+SCMOE = ("scmoe", "baselines.scmoe.ScMoEDispatcher")
 
 
 def tiny(name: str) -> dict:
@@ -103,11 +104,11 @@ def model_world(request):
     is already paid)."""
     P = request.param
     jobs = [({"model": tiny(n), "system": {"name": s, "_target_": t}, "seed": 1}, 2, 8)
-            for n in PROXIES for s, t in SYSTEMS]
+            for n in PROXIES for s, t in SYSTEMS + ([SCMOE] if n == "scmoe_proxy" else [])]
     jobs += eplb_model_jobs(P)
     jobs += schedule_jobs()
-    per_rank = launch(models_and_migration, P, (jobs, P == 2), timeout_s=360)
-    return P, jobs, [grid for grid, _ in per_rank], [migration for _, migration in per_rank]
+    per_rank = launch(models_and_migration, P, (jobs, P == 2, tiny("scmoe_proxy")), timeout_s=360)
+    return P, jobs, [r[0] for r in per_rank], [r[1] for r in per_rank], [r[2] for r in per_rank]
 
 
 @pytest.mark.timeout(400)
@@ -116,7 +117,7 @@ def test_ep_models_match_single_device(model_world):
     placements (E/8 redundant: copies of the hot experts, the training gradient of a copied
     expert summed over its copies) and under the schedules (micro-batches, gradient sync),
     equal the single-device model."""
-    P, jobs, per_rank, _ = model_world
+    P, jobs, per_rank, *_ = model_world
     for rank, results in enumerate(per_rank):
         for (cfg, *_), res in zip(jobs, results):
             bad = {k: v for k, v in res["errors"].items() if not v < 2e-5}
@@ -159,7 +160,7 @@ def check_schedules(jobs: list, results: list) -> None:
 
 
 def _migration(model_world) -> list:
-    P, _, _, migration = model_world
+    P, _, _, migration, _ = model_world
     if P != 2:
         pytest.skip("sequence migration runs in the P = 2 world")
     return migration
@@ -210,6 +211,28 @@ def test_sequence_migration_counts_remote_pairs_at_home_and_where_they_ran(model
         for table in (out["table_after"], out["profiled"]):
             seen = table.sum(1) > 0
             assert table.shape[1] == 2 and seen.any() and torch.all(table.sum(1)[seen] == 4.0)
+
+
+@pytest.mark.timeout(400)
+def test_scmoe_overlapped_schedule_equals_step_by_step(model_world):
+    """The shortcut-connected model (float64) under system=scmoe, each block's dispatch
+    started one block early (its counts exchanged before the previous block's combine) and
+    its wait reported as exposed_comm, gives the logits and synchronised gradients of the
+    same model run step by step (naive); the shortcut changes the model (not a no-op)."""
+    P, *_, schedules = model_world
+    for rank, out in enumerate(schedules):
+        step, over = out["step_by_step"], out["overlapped"]
+        assert _close(over["logits"], step["logits"]), rank
+        assert set(over["grads"]) == set(step["grads"]) and step["grads"]
+        for name, g in step["grads"].items():
+            assert _close(over["grads"][name], g), (rank, name)
+        layers = tiny("scmoe_proxy")["num_layers"]
+        for layer in range(1, layers):
+            at = over["order"].index
+            assert at((layer, "counts")) < at((layer - 1, "combine")), (rank, layer, over["order"])
+            assert step["order"].index((layer, "counts")) > step["order"].index((layer - 1, "combine"))
+        assert over["exposed"] == list(range(layers)) and step["exposed"] == []
+        assert out["no_shortcut_diff"] > 1e-5             # float32 rounding is ~1e-7 here
 
 
 def eplb_model_jobs(P: int) -> list:

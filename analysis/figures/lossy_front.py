@@ -7,7 +7,7 @@ its ``label``) and writes:
   fine-tuned with its loss active, held-out loss and next-token accuracy on both
   domains, remote bytes per token while evaluating (as they crossed: compressed rows at
   their wire size), C_T, the share of (token, expert) pairs that needed a row of their
-  own (lsh, adaptive top-k), the measured prefill time and its ratio to naive EP's,
+  own (lsh, luffy, adaptive top-k), the measured prefill time and its ratio to naive EP's,
   and the projected MoE time of the real OLMoE on 4 x A6000 (:mod:`analysis.projection`,
   from the run's own bytes) with its ratio to naive EP's;
 * ``lossy_front.png/pdf``: remote bytes per token against held-out loss (both domains),
@@ -34,11 +34,12 @@ from .fig7_pruning import accuracy_frame
 PROFILE = "sim_a6000x4"
 FAMILIES = {"naive": "exact", "no_finetune": "exact", "standard": "exact", "score": "pruning (score)",
             "similarity": "pruning (similarity)", "naive_int8": "payload", "naive_fp8": "payload",
-            "occult_int8": "payload", "occult_fp8": "payload", "lsh": "lsh", "adaptive": "adaptive top-k"}
+            "occult_int8": "payload", "occult_fp8": "payload", "lsh": "lsh", "luffy": "luffy",
+            "adaptive": "adaptive top-k"}
 
 
 def family_of(arm: str) -> str:
-    """The arm's family: exact, pruning (score / similarity), payload, lsh, adaptive top-k."""
+    """The arm's family: exact, pruning (score / similarity), payload, lsh, luffy, adaptive top-k."""
     return FAMILIES.get(arm) or FAMILIES.get(arm.split("_")[0], "other")
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from ..ep import GateRule, Placement
 from .ep_block import EPMoEBlock
 from .families import Family, family_of
+from .shortcut import ShortcutMLP, connect_shortcuts
 
 
 class CheckpointError(RuntimeError):
@@ -50,11 +51,11 @@ def hf_config(m, vocab_size: Optional[int] = None):
                              "(num_shared_experts and first_k_dense must be 0)")
         kw = dict(intermediate_size=F, num_experts=E) if fam.name == "olmoe" else \
             dict(intermediate_size=F, num_local_experts=E)
-    elif fam.name in ("qwen2_moe", "qwen3_5_moe"):
+    elif fam.name in ("qwen2_moe", "scmoe", "qwen3_5_moe"):
         if shared != 1:
             raise ValueError(f"model.num_shared_experts={shared}: {fam.name} has exactly one gated shared expert")
         kw = dict(num_experts=E, moe_intermediate_size=F, shared_expert_intermediate_size=shared_F)
-        if fam.name == "qwen2_moe":
+        if fam.name in ("qwen2_moe", "scmoe"):
             kw.update(intermediate_size=dense_F or shared_F, decoder_sparse_step=1,
                       mlp_only_layers=list(range(first_dense)))
         elif first_dense:
@@ -85,14 +86,33 @@ def init_model(family: Family, config, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     with torch.device("cpu"):
         model = family.model_class()(config).float()
-    return model.eval()
+    return _wired(model, family).eval()
+
+
+def _wired(model: nn.Module, family: Family) -> nn.Module:
+    """The family's data flow beyond its transformers class (ScMoE's shortcut)."""
+    if family.shortcut:
+        connect_shortcuts(model, family.is_moe_block)
+    return model
+
+
+def _mlp_slot(layer: nn.Module) -> nn.Module:
+    """What fills a decoder layer's MLP slot: its MoE block, also inside a shortcut wrapper."""
+    return layer.mlp.moe if isinstance(layer.mlp, ShortcutMLP) else layer.mlp
 
 
 def save_checkpoint(model: nn.Module, path, extra: Optional[dict] = None) -> Path:
     """Writes config.json + model.safetensors (and ``occult.json`` with ``extra``)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    wrapped = [(layer, layer.mlp) for layer in model.model.layers if isinstance(layer.mlp, ShortcutMLP)]
+    for layer, mlp in wrapped:          # the transformers class's own weight names
+        layer.mlp = mlp.moe
+    try:
+        model.save_pretrained(path, safe_serialization=True)
+    finally:
+        for layer, mlp in wrapped:
+            layer.mlp = mlp
     if extra is not None:
         (path / "occult.json").write_text(json.dumps(extra, indent=2, sort_keys=True))
     return path
@@ -126,12 +146,13 @@ def load_checkpoint(family: Family, path) -> nn.Module:
     if problems:
         raise CheckpointError(f"model.path={path} ({', '.join(w.name for w in weights)}) does not fit "
                               f"the {family.model_cls} config: " + "; ".join(problems))
-    return model.eval()
+    return _wired(model, family).eval()
 
 
 def moe_blocks(model: nn.Module, family: Family) -> list:
     """``(layer_idx, parent_layer, block)`` for every MoE block of the model."""
-    return [(i, layer, layer.mlp) for i, layer in enumerate(model.model.layers) if family.is_moe_block(layer.mlp)]
+    return [(i, layer, _mlp_slot(layer)) for i, layer in enumerate(model.model.layers)
+            if family.is_moe_block(_mlp_slot(layer))]
 
 
 def to_expert_parallel(model: nn.Module, family: Family, make_dispatcher: Callable[[int], object],
@@ -140,7 +161,11 @@ def to_expert_parallel(model: nn.Module, family: Family, make_dispatcher: Callab
     gives the layer's dispatcher (which carries its placement); ``rule``: the model's gate rule
     (:func:`occult.models.families.gate_rule`; default softmax top-k)."""
     for layer_idx, layer, block in moe_blocks(model, family):
-        layer.mlp = EPMoEBlock(block, family, make_dispatcher(layer_idx), layer_idx, rule)
+        ep_block = EPMoEBlock(block, family, make_dispatcher(layer_idx), layer_idx, rule)
+        if isinstance(layer.mlp, ShortcutMLP):
+            layer.mlp.moe = ep_block
+        else:
+            layer.mlp = ep_block
     return model
 
 

@@ -45,18 +45,48 @@ class EPMoEBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x_TD = hidden_states.reshape(-1, shape[-1])
-        rec = active_recorder()
+        out_TD = self.routed(x_TD)
+        if self.family.shared_output is not None:
+            with span(active_recorder(), self.layer_idx, "shared_experts"):
+                out_TD = out_TD + self.family.shared_output(self, x_TD)
+        return out_TD.reshape(shape)
+
+    def _route(self, x_TD: torch.Tensor, rec) -> tuple:
+        """The router's choice: ``(probs_TE, topk_ids_TK, topk_weights_TK, logits_TE, choice_TE)``."""
         with span(rec, self.layer_idx, "route"):
             logits_TE, topk_weights_TK, topk_ids_TK = self.gate(x_TD)
             scores_TE = self.rule.scores(logits_TE)
             probs_TE = self.rule.expert_weights(scores_TE, topk_ids_TK)
             choice_TE = self.rule.choice(scores_TE, getattr(self.gate, "e_score_correction_bias", None))
-        out_TD = routed_experts(x_TD, probs_TE, topk_ids_TK, topk_weights_TK.to(x_TD.dtype), self.dispatcher,
-                                self.experts, self.layer_idx, rec, logits_TE=logits_TE, choice_TE=choice_TE)
-        if self.family.shared_output is not None:
-            with span(rec, self.layer_idx, "shared_experts"):
-                out_TD = out_TD + self.family.shared_output(self, x_TD)
-        return out_TD.reshape(shape)
+        return probs_TE, topk_ids_TK, topk_weights_TK.to(x_TD.dtype), logits_TE, choice_TE
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts alone, through the system: [..., D] -> [..., D]."""
+        x_TD = x.reshape(-1, x.shape[-1])
+        rec = active_recorder()
+        probs_TE, ids_TK, w_TK, logits_TE, choice_TE = self._route(x_TD, rec)
+        out_TD = routed_experts(x_TD, probs_TE, ids_TK, w_TK, self.dispatcher, self.experts, self.layer_idx, rec,
+                                logits_TE=logits_TE, choice_TE=choice_TE)
+        return out_TD.reshape(x.shape)
+
+    def start(self, x: torch.Tensor):
+        """Routes ``x`` and starts its dispatch, for a system that can start one ahead of the
+        layer (``start_moe``; :mod:`occult.models.shortcut`): what :meth:`finish` takes, or
+        None (the system cannot, or the layer transforms its routing)."""
+        li = self.layer_idx
+        if not hasattr(self.dispatcher, "start_moe") or self.dispatcher.routing_transform(li) is not None:
+            return None
+        x_TD = x.reshape(-1, x.shape[-1])
+        rec = active_recorder()
+        _, ids_TK, w_TK, logits_TE, _ = self._route(x_TD, rec)
+        if rec is not None:
+            rec.log_routing(li, ids_TK, w_TK, logits_TE)
+        return self.dispatcher.start_moe(x_TD, ids_TK, w_TK, layer=li, recorder=rec), x.shape
+
+    def finish(self, started) -> torch.Tensor:
+        """The routed experts' output of a started dispatch (:meth:`start`): [..., D]."""
+        pending, shape = started
+        return self.dispatcher.finish_moe(pending, self.experts).reshape(shape)
 
 
 def ep_placements(model: nn.Module) -> dict:

@@ -36,6 +36,9 @@ class Family:
     correction_bias: bool = False          # the router selects with e_score_correction_bias
     # why whole-model tasks refuse the family ("" when they run it)
     whole_model_refusal: str = ""
+    # ScMoE's shortcut: each MoE block's routed experts read the previous MoE block's
+    # representation (occult.models.shortcut)
+    shortcut: bool = False
 
     def config_class(self):
         import transformers
@@ -89,6 +92,14 @@ FAMILIES = {
             "DeepSeek-V4's first MoE layers route by a token-id hash table and its residual is a stack of "
             "hyper-connection streams; the harness runs its router and shapes in layer tasks (task=layer, "
             "task=bench) and its routed experts with the others, not the whole model")),
+    "scmoe": Family(
+        "scmoe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", "Qwen2MoeSparseMoeBlock", _qwen_shared, shortcut=True,
+        deviations=(
+            "ScMoE (shortcut-connected MoE, arXiv 2404.05019) has no transformers class: Qwen2-MoE's classes "
+            "(routed experts and one gated shared expert per block) with every MoE block's routed experts fed "
+            "the previous MoE block's post-attention representation and its shared expert the block's own "
+            "(occult.models.shortcut); the first MoE block routes its own"),
+        fixed_rule=SOFTMAX_UNGROUPED + (("routed_scaling_factor", 1.0),)),
     "qwen3_moe": Family("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "Qwen3MoeSparseMoeBlock", None,
                         fixed_rule=SOFTMAX_UNGROUPED + (("routed_scaling_factor", 1.0),)),
     "qwen3_5_moe": Family("qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",

@@ -63,8 +63,8 @@ def prepare(cfg_dict: dict) -> dict:
 def moe_modules(model: nn.Module, family) -> list:
     """The model's MoE blocks (expert-parallel or the family's own): routers, routed
     experts and shared experts live in them."""
-    return [layer.mlp for layer in model.model.layers
-            if isinstance(layer.mlp, EPMoEBlock) or family.is_moe_block(layer.mlp)]
+    slots = [getattr(layer.mlp, "moe", layer.mlp) for layer in model.model.layers]    # ScMoE: inside its shortcut
+    return [m for m in slots if isinstance(m, EPMoEBlock) or family.is_moe_block(m)]
 
 
 def freeze_non_moe(model: nn.Module, family) -> list:
