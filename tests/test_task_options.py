@@ -26,7 +26,8 @@ EVERY_FIELD = ["tokens_per_rank", "routing", "zipf_s", "warmup", "iters", "backw
                "max_over_mean", "incast_device", "incast_share",    # the load workloads (issue 26)
                "placement", "num_redundant",                        # EPLB's slot placements
                "total_tokens", "routers", "sample_layers", "synthetic_tokens",   # the scale study's worlds
-               "optimiser", "load_cap", "time_limit_s"]             # task=place
+               "optimiser", "load_cap", "time_limit_s",             # task=place
+               "cuda_graph"]                                        # task=decode's CUDA graphs
 
 
 def cfg_with(*overrides):
