@@ -140,7 +140,8 @@ def test_misspelt_or_mistyped_system_options_fail_at_compose_time():
     with pytest.raises(ConfigCompositionException) as err:
         _cfg("system=occult_prune_sim", "system.budgett=2")
     assert describe(err.value).startswith("system.budgett: unknown key; allowed: name, _target_, payload, "
-                                          "combine_payload, kernels, placement_file, budget, weight_rule")
+                                          "combine_payload, dispatch_mode, max_tokens_per_rank, kernels, "
+                                          "placement_file, budget, weight_rule")
     with pytest.raises(ConfigCompositionException) as err:
         _cfg("system=tutel", "system.capacity_factor=lots")
     assert describe(err.value).startswith("system.capacity_factor='lots'")

@@ -130,19 +130,14 @@ def capacity(config, num_tokens: int, layer: int, rank: int) -> int:
 
 def slot_swiglu(x, w_gate_eDF: torch.Tensor, w_up_eDF: torch.Tensor, w_down_eFD: torch.Tensor,
                 weight_eN: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Every local expert on every slot, static shapes. ``x``: [e, N, D] (each expert its own
-    slots) -> [e, N, D]; or [N, D] (rows every expert reads, weighted by ``weight_eN``, 0 for
-    an expert a row does not use) -> [N, D], the weighted sum over the experts (two GEMMs:
-    [N, D] x [D, e F] and [N, e F] x [e F, D])."""
+    """Every local expert on every slot, static shapes (batched GEMMs over the e experts).
+    ``x``: [e, N, D] (each expert its own slots) -> [e, N, D]; or [N, D] (rows every expert
+    reads, each expert's output weighted by ``weight_eN``, 0 for an expert a row does not
+    use) -> [N, D], the weighted sum over the experts."""
+    h_eNF = nnf.silu(torch.matmul(x, w_gate_eDF)) * torch.matmul(x, w_up_eDF)
     if x.dim() == 3:
-        h_eNF = nnf.silu(torch.bmm(x, w_gate_eDF)) * torch.bmm(x, w_up_eDF)
         return torch.bmm(h_eNF, w_down_eFD)
-    e, D, F = w_gate_eDF.shape
-    N = x.shape[0]
-    h_NeF = (nnf.silu(x @ w_gate_eDF.permute(1, 0, 2).reshape(D, e * F))
-             * (x @ w_up_eDF.permute(1, 0, 2).reshape(D, e * F))).view(N, e, F)
-    h_NeF = h_NeF * weight_eN.t().unsqueeze(2)
-    return h_NeF.reshape(N, e * F) @ w_down_eFD.reshape(e * F, D)
+    return torch.bmm(h_eNF * weight_eN.unsqueeze(2), w_down_eFD).sum(0)
 
 
 def with_trash_row(x_RD: torch.Tensor) -> torch.Tensor:
