@@ -201,7 +201,7 @@ def target_lines(table: pd.DataFrame) -> list:
         sweep = [(a.split(":")[0].split("_w")[1], arm.loc[a]) for a in arm.index
                  if a.startswith(f"affinity_r{r}_w") and a.endswith(":occult:collaborative")]
         if sweep and not (ct_met and load_met):
-            why.append("the packing trades one for the other: co-activation weight " + ", ".join(
+            why.append("the packing's co-activation weight moves both: weight " + ", ".join(
                 f"{w}: C_T {v.ct_all:.3f}, max / mean {v.recv_max_over_mean:.3f}" for w, v in sweep)
                 + f" (the default {ours.name.split(':')[0]}: {ours.ct_all:.3f}, {ours.recv_max_over_mean:.3f})")
         if not load_met:
