@@ -55,7 +55,7 @@ def test_unknown_system_lists_the_choices():
     (["cluster.backend=mpi"], r"cluster.backend='mpi': allowed values"),
     (["system._target_=baselines.naive.Nope"], r"system=naive: cannot import"),
     (["+system.flavour=x"], r"system.flavour: unknown option of system 'naive'; allowed: \['payload', "
-                            r"'combine_payload', 'dispatch_mode', 'max_tokens_per_rank'\]"),
+                            r"'combine_payload', 'replica_policy', 'slack', 'dispatch_mode', 'max_tokens_per_rank'\]"),
     (["system=reference"], r"system=reference has no expert-parallel dispatcher; task=layer needs one. "
                            r"Expert-parallel systems: \[.*'deepspeed', 'exflow', .*'lsh', 'luffy', 'megablocks', 'naive', 'occult'"),
     (["cluster=cpu4", "cluster.devices_per_node=3"],

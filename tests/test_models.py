@@ -99,9 +99,10 @@ def test_group_limit_over_devices_is_deepseek_v3s_router_with_devices_as_groups(
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda P: f"P{P}")
 def model_world(request):
     """Every proxy on naive and occult, and the OLMoE proxy on naive over EPLB's slot
-    placements, in one world per P: ``(P, per_rank grid results, per_rank migration results)``;
-    the P = 2 world also runs sequence migration (migration_helpers; its transformers import
-    is already paid)."""
+    placements and on occult (collaborative rule) over the affinity-aware packing, in one
+    world per P: ``(P, jobs, per_rank grid results, per_rank migration results, per_rank
+    ScMoE results)``; the P = 2 world also runs sequence migration (migration_helpers; its
+    transformers import is already paid)."""
     P = request.param
     jobs = [({"model": tiny(n), "system": {"name": s, "_target_": t}, "seed": 1}, 2, 8)
             for n in PROXIES for s, t in SYSTEMS + ([SCMOE] if n == "scmoe_proxy" else [])]
@@ -236,7 +237,8 @@ def test_scmoe_overlapped_schedule_equals_step_by_step(model_world):
 
 
 def eplb_model_jobs(P: int) -> list:
-    """The OLMoE proxy on naive over EPLB's slots of a skewed seeded load per layer ([] without eplb)."""
+    """The OLMoE proxy on naive over EPLB's slots of a skewed seeded load per layer, and on occult
+    with the collaborative rule over the affinity-aware packing of the same counts ([] without eplb)."""
     try:
         import eplb  # noqa: F401
         from occult.placement.eplb import eplb_placements
@@ -247,8 +249,13 @@ def eplb_model_jobs(P: int) -> list:
     g = torch.Generator().manual_seed(P)
     loads = {layer: (1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2)[torch.randperm(E, generator=g)]
              for layer in range(m["num_layers"])}
+    from occult.placement.affinity import affinity_placements
+    ids = {layer: torch.stack([torch.multinomial(load_E, m["top_k"], generator=g) for _ in range(256)])
+           for layer, load_E in loads.items()}
+    occult = {"name": "occult", "_target_": dict(SYSTEMS)["occult"], "replica_policy": "collaborative"}
     return [({"model": m, "system": {"name": "naive", "_target_": SYSTEMS[0][1]}, "seed": 1}, 2, 8,
-             eplb_placements(loads, E // 8, P))]
+             eplb_placements(loads, E // 8, P)),
+            ({"model": m, "system": occult, "seed": 1}, 2, 8, affinity_placements(ids, E, E // 8, P))]
 
 
 def _model(name, seed=0):

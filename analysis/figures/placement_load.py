@@ -45,6 +45,14 @@ def front_table(runs: pd.DataFrame) -> pd.DataFrame:
     return table.rename(columns={"phase": "arm"})
 
 
+def target_arm(sel: pd.DataFrame) -> str:
+    """The target's arm in one world: collaborative on occult over the affinity-aware packing
+    with the smaller redundant count (E/8) at the default weight ("" when there is none)."""
+    counts = sorted(int(a.split(":")[0][len("affinity_r"):]) for a in sel.arm
+                    if a.startswith("affinity_r") and "_w" not in a and a.endswith(":occult:collaborative"))
+    return f"affinity_r{counts[0]}:occult:collaborative" if counts else ""
+
+
 def pareto(points: pd.DataFrame, x: str, y: str) -> pd.DataFrame:
     """The points no other point beats on both ``x`` and ``y`` (lower is better), by ``x``."""
     pts = points.sort_values([x, y])
@@ -62,7 +70,8 @@ def plot_front(table: pd.DataFrame, out_dir: Path) -> list:
     groups = list(table.groupby(["model", "label"], sort=False))
     sizes = sorted(table.world_size.unique())
     fig, axes = plt.subplots(len(groups), len(sizes), figsize=(4.2 * len(sizes), 3.4 * len(groups)), squeeze=False)
-    colours = {p: f"C{i}" for i, p in enumerate(dict.fromkeys(table.placement))}
+    cmap = plt.get_cmap("tab20")
+    colours = {p: cmap((2 * i) % 20 + (2 * i) // 20 % 2) for i, p in enumerate(dict.fromkeys(table.placement))}
     for i, ((model, label), g) in enumerate(groups):
         for j, P in enumerate(sizes):
             ax, sel = axes[i][j], g[g.world_size == P]
@@ -73,8 +82,7 @@ def plot_front(table: pd.DataFrame, out_dir: Path) -> list:
             if not sel.empty:
                 front = pareto(sel, "recv_max_over_mean", "ct_all")
                 ax.plot(front.recv_max_over_mean, front.ct_all, color="k", lw=0.8, ls="--")
-                hit = sel[sel.arm.str.startswith("affinity") & (sel.rule == "collaborative")
-                          & (sel.system == "occult")]
+                hit = sel[sel.arm == target_arm(sel)]
                 ax.scatter(hit.recv_max_over_mean, hit.ct_all, facecolors="none", edgecolors="k", s=60)
             ax.set_title(f"{model}, {label}, P = {P}", fontsize=8)
             ax.set_xlabel("received rows max / mean", fontsize=7)
@@ -168,12 +176,11 @@ def target_lines(table: pd.DataFrame) -> list:
     sel = table[table.model.str.startswith("olmoe") & table.world_size.isin([4, 8]) & (table.devices_per_node == 0)]
     for (model, label, P), g in sel.groupby(["model", "label", "world_size"], sort=False):
         arm = g.set_index("arm")
-        counts = sorted(int(a.split(":")[0][len("affinity_r"):]) for a in arm.index
-                        if a.startswith("affinity_r") and "_w" not in a and a.endswith(":occult:collaborative"))
-        if not counts or "swap_search:occult:-" not in arm.index:
+        name = target_arm(g)
+        if not name or "swap_search:occult:-" not in arm.index:
             continue
-        r = counts[0]                                                  # E/8 (the smaller count)
-        ours = arm.loc[f"affinity_r{r}:occult:collaborative"]
+        r = name.split(":")[0][len("affinity_r"):]                   # E/8 (the smaller count)
+        ours = arm.loc[name]
         swap = arm.loc["swap_search:occult:-"]
         eplb = arm.loc[f"eplb_r{r}:occult:round_robin"]
         ct_met = ours.ct_all <= swap.ct_all
@@ -194,7 +201,7 @@ def target_lines(table: pd.DataFrame) -> list:
         sweep = [(a.split(":")[0].split("_w")[1], arm.loc[a]) for a in arm.index
                  if a.startswith(f"affinity_r{r}_w") and a.endswith(":occult:collaborative")]
         if sweep and not (ct_met and load_met):
-            why.append("the packing trades one for the other: co-activation weight " + ", ".join(
+            why.append("the packing's co-activation weight moves both: weight " + ", ".join(
                 f"{w}: C_T {v.ct_all:.3f}, max / mean {v.recv_max_over_mean:.3f}" for w, v in sweep)
                 + f" (the default {ours.name.split(':')[0]}: {ours.ct_all:.3f}, {ours.recv_max_over_mean:.3f})")
         if not load_met:
@@ -229,15 +236,22 @@ def build(df: pd.DataFrame, out_dir) -> list:
     figs = plot_front(table, out_dir)
     text = ["Target (the collaborative rule over affinity-aware EPLB copies, E/8 redundant, on occult):"]
     text += [f"- {line}" for line in target_lines(table)] or ["- not computed: no OLMoE proxy runs at P = 4 or 8"]
+    text.append("Front table: C_T / received rows max / mean per arm (<placement>:<system>:<rule>), mean over "
+                "the planned layers; bytes and expert memory: placement_load.csv.")
     text.append("Planned from every rank's plan (the functions the dispatch sizes its collectives with); the "
                 "placements are built from a profiling set and judged on other tokens.")
     tables = [("placement_load_front", condensed(table))]
     proj = projected(runs)
     if not proj.empty:
         write_table(proj, out_dir, "placement_load_projected")
-        tables.append(("placement_load_projected", proj.round(4)))
+        cells = proj.assign(world=proj.model.str.replace("_proxy", "", regex=False) + " " + proj.label + " P"
+                            + proj.world_size.astype(str),
+                            cell=proj.prefill_ratio.map("{:.3f}".format) + " / " + proj.train_ratio.map("{:.3f}".format))
+        tables.append(("placement_load_projected", cells.pivot_table(index="arm", columns="world", values="cell",
+                                                                     aggfunc="first", sort=False).reset_index()))
         text.append("Projected (cost model, labelled projected): one MoE layer at the real model's width on "
-                    "8 x H100 (P = 8) and 2 x 8 H100 (P = 16), as a ratio to contiguous naive.")
+                    "8 x H100 (P = 8) and 2 x 8 H100 (P = 16), prefill / train as a ratio to contiguous naive "
+                    "(seconds: placement_load_projected.csv).")
     meas = measured(df)
     if not meas.empty:
         write_table(meas, out_dir, "placement_load_measured")

@@ -67,6 +67,34 @@ KERNELS = ("auto", "torch", "epd", "triton")
 FUSE_FROM_BYTES = 2 << 20
 
 
+@dataclass
+class OccultOptions(StaticConfig, PayloadConfig):
+    """Occult's own options (its kernels, payloads and dispatch mode); the variants of
+    :mod:`occult.collab.variants`, which run on one copy per expert, take these alone."""
+
+    kernels: str = "auto"    # auto (Triton on CUDA when installed, else by size) | torch | epd | triton
+    accepts_dropped_pairs: ClassVar[bool] = True
+
+    def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
+        super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
+        if self.kernels not in KERNELS:
+            raise ValueError(f"system.kernels={self.kernels!r}: allowed values are {list(KERNELS)}")
+        if self.kernels == "triton" and not triton_available():
+            raise ValueError("system.kernels=triton: the triton package is not installed "
+                             "(pip install -e '.[gpu]')")
+        if self.is_static() and self.kernels != "auto":
+            raise ValueError(f"system.kernels={self.kernels!r}: dispatch_mode=static has one experts step of "
+                             "its own (every local expert on every slot); allowed value with it: auto")
+
+    def other_exact_paths(self) -> list:
+        # the PyTorch path this config does not take on small problems such as the parity
+        # suite's (auto takes epd there); triton's kernels are checked under the
+        # interpreter (make test-triton) and on a GPU
+        if self.is_static():
+            return super().other_exact_paths()
+        return super().other_exact_paths() + [{"kernels": "epd" if self.kernels == "torch" else "torch"}]
+
+
 class OccultDispatcher(StaticSFD, SplitDispatcher):
     """``kernels`` (:mod:`occult.collab.experts`): ``torch`` (PyTorch, one local expert at
     a time: its rows gathered from the received buffer, its outputs added into the merged
@@ -80,28 +108,8 @@ class OccultDispatcher(StaticSFD, SplitDispatcher):
     impl = "harness"
 
     @dataclass
-    class Config(StaticConfig, ReplicaConfig, PayloadConfig):
-        kernels: str = "auto"    # auto (Triton on CUDA when installed, else by size) | torch | epd | triton
-        accepts_dropped_pairs: ClassVar[bool] = True
-
-        def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
-            super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
-            if self.kernels not in KERNELS:
-                raise ValueError(f"system.kernels={self.kernels!r}: allowed values are {list(KERNELS)}")
-            if self.kernels == "triton" and not triton_available():
-                raise ValueError("system.kernels=triton: the triton package is not installed "
-                                 "(pip install -e '.[gpu]')")
-            if self.is_static() and self.kernels != "auto":
-                raise ValueError(f"system.kernels={self.kernels!r}: dispatch_mode=static has one experts step of "
-                                 "its own (every local expert on every slot); allowed value with it: auto")
-
-        def other_exact_paths(self) -> list:
-            # the PyTorch path this config does not take on small problems such as the parity
-            # suite's (auto takes epd there); triton's kernels are checked under the
-            # interpreter (make test-triton) and on a GPU
-            if self.is_static():
-                return super().other_exact_paths()
-            return super().other_exact_paths() + [{"kernels": "epd" if self.kernels == "torch" else "torch"}]
+    class Config(ReplicaConfig, OccultOptions):
+        """Occult's options and its replica rule on a slot placement (copies)."""
 
     def _kernels(self, x_TD, epd_rows: int) -> str:
         """The path this call takes: torch | epd | triton (``auto``: triton where it runs,

@@ -39,7 +39,7 @@ import torch
 
 from ..placement.files import PlacementFileConfig, file_key
 from ..pruning import ScorePruning, SimilarityPruning, check_budget, expert_similarity
-from .dispatcher import OccultDispatcher
+from .dispatcher import OccultDispatcher, OccultOptions
 
 # (resolved path, size, mtime_ns) -> {layer: logits [N, E] (numpy)}
 _LOGITS_CACHE: dict = {}
@@ -53,10 +53,9 @@ class OccultPlacedDispatcher(OccultDispatcher):
     exact = True
 
     @dataclass
-    class Config(PlacementFileConfig, OccultDispatcher.Config):
+    class Config(PlacementFileConfig, OccultOptions):
         # required: path of the placement artifact (JSON)
         placement_required: ClassVar[bool] = True
-        slot_placements: ClassVar[bool] = False     # its own placement file, one copy per expert
 
         def other_exact_paths(self) -> list:
             return []    # occult's kernel paths, which the parity suite checks on occult itself
@@ -113,8 +112,7 @@ class _PruningDispatcher(OccultDispatcher):
     exact = False
 
     @dataclass
-    class Config(PlacementFileConfig, OccultDispatcher.Config):
-        slot_placements: ClassVar[bool] = False     # pruning by device on one copy per expert
+    class Config(PlacementFileConfig, OccultOptions):
         budget: int = 2              # N_d', devices per token (the paper tries 1, 2, 4)
         weight_rule: str = "own"     # gate weight of a substitute: own | replaced | renormalize (open)
         # false: no pruning (the routing unchanged; Occult with this config's placement, kernels
