@@ -20,7 +20,7 @@ def check_static_decode(rows: list, rank: int, label: str, static: bool = True) 
     if not static:
         assert wire == valid and padding == [0.0] and not value("valid_bytes"), label
         return
-    assert 0 < valid[0] <= wire[0] and value("valid_bytes") and value("padding_rows"), (label, wire, valid)
+    assert 0 < valid[0] <= wire[0] and value("valid_bytes") and value("padding_wire_rows"), (label, wire, valid)
     assert (valid[0] < wire[0]) == (padding[0] > 0), (label, wire, valid, padding)
     if "naive" in label:
         assert padding[0] > 0, (label, padding)
@@ -100,7 +100,7 @@ def guarded_steps(ctx, jobs: list) -> dict:
                 (out_TD * out_TD).sum().backward()
             rows = comm_rows(rec)
             out[label] = ("ok", {m: sum(r["value"] for r in rows if r["metric"] == m)
-                                 for m in ("rows", "valid_rows", "padding_rows")})
+                                 for m in ("rows", "valid_rows", "padding_wire_rows")})
         except HostRead as err:
             out[label] = (str(err), {})
         finally:

@@ -51,7 +51,7 @@ def test_a_static_step_reads_no_tensor_on_the_host(guarded):
             status, rows = rank_out[label]
             assert status == "ok", (label, status)
             # padding travels on gloo: fewer valid rows than wire rows, none lost
-            assert 0 < rows["valid_rows"] < rows["rows"] == rows["valid_rows"] + rows["padding_rows"], (label, rows)
+            assert 0 < rows["valid_rows"] < rows["rows"] == rows["valid_rows"] + rows["padding_wire_rows"], (label, rows)
         # the dynamic path reads its counts on the host (split sizes): the guard sees it
         assert "read a tensor on the host" in rank_out["naive dynamic"][0]
 

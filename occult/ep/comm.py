@@ -147,12 +147,16 @@ def _log(where: Exchange, direction: str, collective: str, rows_P, x: torch.Tens
 
 
 def _start(ep: EPGroup, where: Exchange) -> tuple[float, float]:
-    """(barrier wait, start time) of a collective (the barrier only with sync_collectives;
-    in a co-executed strand the start is a mark: :mod:`occult.ep.strands`)."""
+    """(barrier wait, start time) of a collective (the barrier only with sync_collectives; no
+    clock read without a recorder: on CUDA it synchronises the device, which a CUDA graph's
+    capture may not, :mod:`occult.ep.graphs`; in a co-executed strand the start is a mark:
+    :mod:`occult.ep.strands`)."""
+    rec = where.recorder
+    if rec is None:
+        return 0.0, 0.0
     if current_strand() is not None:
         return 0.0, mark()
-    rec = where.recorder
-    wait = barrier(ep) if rec is not None and rec.sync_collectives else 0.0
+    wait = barrier(ep) if rec.sync_collectives else 0.0
     return wait, clock()
 
 

@@ -93,7 +93,7 @@ def comm_rows(rec: Recorder, per_peer: bool = True) -> list:
     ``per_peer`` is false); the number of collectives of each kind per layer, phase and pass;
     and the dispatchers' counters (dropped pairs, padding rows), summed per layer. A fixed
     buffer's collective (static dispatch) also gives, per peer, its ``valid_rows`` and
-    ``valid_bytes`` (what a low-latency kernel would send) and ``padding_rows`` beside the
+    ``valid_bytes`` (what a low-latency kernel would send) and ``padding_wire_rows`` beside the
     wire's ``rows`` and ``bytes`` (what was sent here), read from the device now
     (:meth:`occult.ep.accounting.Recorder.settle`)."""
     rec.settle()
@@ -115,7 +115,7 @@ def comm_rows(rec: Recorder, per_peer: bool = True) -> list:
                 valid = ev.valid_P[dst]
                 out += [row("valid_rows", valid, "rows", **common),
                         row("valid_bytes", valid * ev.row_bytes, "bytes", **common),
-                        row("padding_rows", n - valid, "rows", **common)]
+                        row("padding_wire_rows", n - valid, "rows", **common)]
         key = (ev.layer, ev.phase, ev.direction, ev.collective)
         calls[key] = calls.get(key, 0) + 1
     # how many collectives of each kind (all_to_all_calls, broadcast_calls, ...) ran
