@@ -164,6 +164,8 @@ class PipelinedDispatcher(Dispatcher):
     whose links and throughput ``auto``'s rule weighs."""
 
     impl = "harness"
+    no_co_execution = ("its chunks already overlap the layer's exchanges with its experts, through collectives of "
+                       "its own that a strand does not hand over, and its exposed_comm spans would join the strands'")
 
     @dataclass
     class Config(SystemConfig):

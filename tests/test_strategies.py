@@ -405,3 +405,48 @@ def test_modern_models_experiment_runs_and_reports(tmp_path):
     for df in frames:
         assert (df[df.metric == "parity_checked"].value == 1).all(), df.run_id.iloc[0]
     assert (tmp_path / "report.md").is_file()
+
+
+def _schedule_run(task: str, label: str, latency: float, rows: list):
+    """A whole-model run at P = 4 of naive on a toy model: its latency row and ``rows``."""
+    import pandas as pd
+    from analysis.summary import RUN_KEYS
+    metric, phase = {"prefill": ("ttft", "prefill"), "train": ("step_time", "train")}[task]
+    base = {"layer": -1, "rank": -1, "phase": "", "pass": "", "sample": -1, "unit": ""}
+    df = pd.DataFrame([{**base, **r} for r in [{"metric": metric, "value": latency, "phase": phase, "sample": 0},
+                                                *rows]])
+    keys = {k: 0 for k in RUN_KEYS} | {"experiment": "x", "model": "toy", "task": task, "cluster": "cpu4",
+                                       "world_size": 4, "routing": "router", "placement": ""}
+    return df.assign(**keys, system="naive", impl="harness", label=label, system_options="{}", run_dir="x",
+                     run_id=f"{task}/{label}")
+
+
+def test_the_schedules_section_by_hand():
+    """Co-executed micro-batches: their exposed waits beside a plain run's collective time;
+    the gradient sync's all-reduce left after the backward and its calls; latencies over the
+    same system's plain run."""
+    import pandas as pd
+    from analysis.figures.strategies import schedules
+    fwd = lambda rank, v, phase="dispatch": {"metric": "a2a_time", "value": v, "phase": phase, "pass": "forward",
+                                            "layer": 0, "rank": rank, "sample": 0}
+    waits = lambda rank, v: {"metric": "time", "value": v, "phase": "exposed_comm", "pass": "forward", "layer": 0,
+                             "rank": rank, "sample": 0}
+    df = pd.concat([
+        _schedule_run("prefill", "", 10.0, [fwd(0, 2.0), fwd(0, 1.0, "combine"), fwd(1, 4.0),
+                                            {"metric": "microbatches", "value": 1}]),
+        _schedule_run("prefill", "mb2", 8.0, [fwd(0, 5.0), fwd(1, 5.0), waits(0, 1.0), waits(0, 0.5), waits(1, 2.0),
+                                              {"metric": "microbatches", "value": 2}]),
+        _schedule_run("train", "", 20.0, [fwd(0, 1.0), {"metric": "grad_sync_mode", "value": 0}]),
+        _schedule_run("train", "lina", 30.0, [
+            fwd(0, 1.0), {"metric": "grad_sync_mode", "value": 2},
+            {"metric": "time", "value": 3.0, "phase": "grad_sync", "pass": "backward", "rank": 0, "sample": 0},
+            {"metric": "grad_sync_allreduces", "value": 21, "rank": 0, "sample": 0},
+            {"metric": "grad_sync_started_in_backward", "value": 9, "rank": 0, "sample": 0}])])
+    [section] = schedules(df)
+    t = section.tables[0][1].set_index(["task", "label"])
+    assert t.loc[("prefill", ""), "exposed_comm_ms_per_layer"] == t.loc[("prefill", ""), "collectives_ms_per_layer"] == 4.0
+    assert t.loc[("prefill", "mb2"), "exposed_comm_ms_per_layer"] == 2.0          # slowest rank's waits
+    assert t.loc[("prefill", "mb2"), "vs_plain"] == pytest.approx(0.8)
+    lina = t.loc[("train", "lina")]
+    assert (lina.grad_sync, lina.vs_plain, lina.grad_sync_exposed_ms) == ("lina", 1.5, 3.0)
+    assert (lina.allreduces, lina.allreduces_in_backward) == (21, 9)

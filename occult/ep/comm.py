@@ -170,7 +170,8 @@ _GUARD = None
 @contextmanager
 def collective_guard(guard):
     """While the block runs, ``guard.before()`` precedes every collective of this module and
-    ``guard.after()`` follows it (``guard`` None: nothing)."""
+    ``guard.after()`` follows it (an asynchronous one's wait: :func:`start_all_to_all`;
+    ``guard`` None: nothing)."""
     global _GUARD
     previous, _GUARD = _GUARD, guard
     try:
@@ -512,6 +513,8 @@ class PendingExchange:
         host only to read the time); logs the collective (its time: from start to here)."""
         if self.work is not None:
             self.work.wait()
+        if _GUARD is not None:
+            _GUARD.after()
         if self.where.recorder is not None:
             _log(self.where, self.direction, ALL_TO_ALL, self.send_P, self.send_RD, 0.0, self.wait_s,
                  seconds=between(self.start, mark()))
@@ -527,6 +530,8 @@ def start_all_to_all(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup
     send_P, recv_P = [int(s) for s in send_P], [int(r) for r in recv_P]
     rec = where.recorder
     wait = barrier(ep) if rec is not None and rec.sync_collectives else 0.0
+    if _GUARD is not None:
+        _GUARD.before()
     start = mark()
     x_RD = x_RD.detach().contiguous()
     out = x_RD.new_empty((sum(recv_P),) + tuple(x_RD.shape[1:]))

@@ -64,6 +64,9 @@ class Dispatcher(ABC):
     # why the system has no traffic plan (its rows depend on more than its routing, placement
     # and node layout); "" for a system that has one (it implements ``plan``)
     no_plan: ClassVar[str] = ""
+    # why the system does not run with co-executed micro-batches (task.microbatches > 1,
+    # occult.ep.strands); "" for a system that does
+    no_co_execution: ClassVar[str] = ""
 
     def __init__(self, ep: EPGroup, placement: Placement, config) -> None:
         if placement.num_devices != ep.world_size:

@@ -26,7 +26,7 @@ CUDA each strand runs on its own stream. On a CPU rank the strands share the ran
 with gloo's transfers, so the exposed time measures the schedule, not a GPU's overlap.
 
 Only the forward co-executes: a training step runs each micro-batch's backward in turn
-(:mod:`occult.models.microbatch` says why).
+(:func:`occult.models.runtime.forward_micro_batches` says why).
 """
 from __future__ import annotations
 

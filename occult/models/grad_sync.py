@@ -23,7 +23,8 @@ the two kinds of collective share the links is the schedule:
   starts only between all-to-alls (when one ends, or when a gradient is accumulated after
   that and none is in flight yet): one partition per gap between two MoE collectives, in a
   fixed order on every rank (the points are the schedule's, never a poll of the backend,
-  which would differ between ranks and deadlock them). The rest starts after the backward.
+  which would differ between ranks and deadlock them). What has not started by the end of
+  the backward starts then, one call per bucket (no all-to-all is left to yield to).
 
 Every mode sums a copied expert's gradient over its copies (a slot placement), averages
 the replicated gradients and divides the experts' by P: the same step (a test holds the
@@ -97,6 +98,17 @@ def _unflatten(params: list, flat: torch.Tensor, world_size: int) -> None:
         offset += n
 
 
+def _merged(parts: list) -> list:
+    """Consecutive partitions ``(flat, start, stop)`` of one buffer joined into one."""
+    out: list = []
+    for flat, s, e in parts:
+        if out and out[-1][0] is flat and out[-1][2] == s:
+            out[-1] = (flat, out[-1][1], e)
+        else:
+            out.append((flat, s, e))
+    return out
+
+
 class _Pending:
     """One step's buckets under ``overlap`` or ``lina``: which gradients have arrived, the
     flat buffers and the all-reduces in flight (made per backward, dropped after it)."""
@@ -159,8 +171,8 @@ class _Pending:
         self.started_in_backward = len(self.works)
         for i in range(self.next_bucket, len(self.buckets)):
             self._take(i)
-        if self.lina:
-            for flat, s, e in self.parts:
+        if self.lina:       # no all-to-all is left to yield to: each bucket's rest in one call
+            for flat, s, e in _merged(self.parts):
                 self.works.append(dist.all_reduce(flat[s:e], group=self.group, async_op=True))
             self.parts = []
         for w in self.works:

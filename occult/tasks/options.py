@@ -266,6 +266,18 @@ class MicroBatched(Text, Exchanges):
             raise ConfigError("task.sync_collectives=true: a barrier before every collective stops the "
                               f"micro-batches' overlap; allowed only with task.microbatches=1 (not {self.microbatches})")
 
+    def check_run(self, cfg) -> None:
+        super().check_run(cfg)
+        if self.microbatches == 1:
+            return
+        from ..ep import system_config
+
+        config = system_config(cfg.system)
+        why = config.system_class().no_co_execution if config.expert_parallel else ""
+        if why:
+            raise ConfigError(f"task.microbatches={self.microbatches}: system={config.name} does not co-execute "
+                              f"micro-batches ({why}); allowed with it: 1")
+
 
 @dataclass
 class HeldOut(TaskConf):
