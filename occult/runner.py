@@ -64,6 +64,7 @@ def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
                                 else getattr(t, "tokens_per_rank", -1)),
             "routing": getattr(t, "routing", "router" if t.whole_model else ""),
             "trace_sha256": run_trace_sha256(t), "placement": getattr(t, "placement", ""),
+            "migration": bool(getattr(t, "migration", False)),
             "batch_size": getattr(t, "batch_size", -1), "seq_len": getattr(t, "seq_len", -1),
             "seed": cfg.seed, "config_hash": digest, "clock": t.clock or clock_name(c.backend),
             "launcher": world.kind if world is not None else "local"}
