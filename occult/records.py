@@ -131,7 +131,11 @@ def config_hash(hashed: dict) -> str:
 
 
 def config_diff(stored: dict, current: dict) -> list:
-    """Keys whose values differ between two :func:`hashed_config` dicts, as ``key: a -> b``."""
+    """Keys whose values differ between two :func:`hashed_config` dicts, as ``key: a -> b``
+    (a key at its :data:`LATER_KEYS` default counts as absent: a config stored before the
+    key became one of them held it)."""
+    stored, current = ({k: v for k, v in d.items() if not (k in LATER_KEYS and v == LATER_KEYS[k])}
+                       for d in (stored, current))
     keys = sorted(set(stored) | set(current))
     missing = "<absent>"
     return [f"{k}: {stored.get(k, missing)!r} -> {current.get(k, missing)!r}" for k in keys

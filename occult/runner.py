@@ -98,9 +98,9 @@ def already_done(out_dir: Path, hashed: dict) -> bool:
     if stored is None:
         raise ConfigError(f"{out_dir} holds results without a record of their config (written by an older "
                           f"version); {how}")
-    if stored["config_hash"] == config_hash(hashed):
-        return True
     diff = config_diff(stored["config"], hashed)
+    if stored["config_hash"] == config_hash(hashed) or not diff:
+        return True
     raise ConfigError(f"{out_dir} holds results of a different config ({'; '.join(diff)}); {how}")
 
 
