@@ -18,8 +18,8 @@ from __future__ import annotations
 import pandas as pd
 
 RUN_KEYS = ["experiment", "model", "task", "cluster", "world_size", "devices_per_node", "num_experts", "top_k",
-            "hidden_size", "expert_ffn_size", "tokens_per_rank", "routing", "placement", "batch_size", "seq_len",
-            "seed"]
+            "hidden_size", "expert_ffn_size", "tokens_per_rank", "routing", "placement", "migration", "batch_size",
+            "seq_len", "seed"]
 SYSTEM_KEYS = ["system", "impl"]
 # what tells two configs of one system apart, and where a run's files are (not keys)
 RUN_DESCRIPTION = ["label", "system_options", "run_dir"]

@@ -10,6 +10,7 @@ gate-weighted sum at home), cut in two:
   start_moe   route -> counts (a blocking exchange of [P, e] ints) -> the dispatch's
               asynchronous all-to-all, left in flight (called in block l-1, right after
               its representation is computed)
+  (the start is timed as the span ``dispatch``: the counts and launching the all-to-all)
   finish_moe  wait for the rows (the time this wait blocks is the span ``exposed_comm``:
               communication that block l-1's remaining work and block l's attention and
               shared expert did not hide), the experts, the combine (blocking)

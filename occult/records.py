@@ -4,6 +4,7 @@ Columns: the run's context (run_id, experiment, label, system, impl,
 system_options, model, init, task, cluster, world_size, devices_per_node, num_experts, top_k,
 hidden_size, expert_ffn_size, dtype, tokens_per_rank, routing, trace_sha256 (of a replayed
 routing trace, "" for none), placement (``task.placement``: contiguous, eplb or an artifact; ""
+for a task without it), migration (``task.migration``: Luffy's sequence migration, False
 for a task without it), batch_size, seq_len, seed, config_hash), the measurement (layer, rank,
 phase, pass, metric, value, unit, sample, src_rank, dst_rank, expert) and provenance
 (git_commit, torch_version, device, hostname, time, clock, launcher).
@@ -36,8 +37,8 @@ MEASUREMENT_COLUMNS = ["layer", "rank", "phase", "pass", "metric", "value", "uni
                        "src_rank", "dst_rank", "expert"]
 CONTEXT_COLUMNS = ["run_id", "experiment", "label", "system", "impl", "system_options", "model", "init", "task",
                    "cluster", "world_size", "devices_per_node", "num_experts", "top_k", "hidden_size", "expert_ffn_size",
-                   "dtype", "tokens_per_rank", "routing", "trace_sha256", "placement", "batch_size", "seq_len",
-                   "seed", "config_hash"]
+                   "dtype", "tokens_per_rank", "routing", "trace_sha256", "placement", "migration", "batch_size",
+                   "seq_len", "seed", "config_hash"]
 PROVENANCE_COLUMNS = ["git_commit", "torch_version", "device", "hostname", "time", "clock", "launcher"]
 COLUMNS = CONTEXT_COLUMNS + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
 RESULTS_FILE = "results.parquet"
@@ -57,10 +58,12 @@ LATER_KEYS = {"cluster.devices_per_node": 0, "cluster.single_rank_collectives": 
               "task.max_over_mean": 2.0, "task.incast_device": 0, "task.incast_share": 0.5,
               "task.placement": "contiguous", "task.num_redundant": 0,
               # micro-batch co-execution and the gradient sync's schedule (issue 28)
-              "task.microbatches": 1, "task.grad_sync": "end"}
+              "task.microbatches": 1, "task.grad_sync": "end",
+              "task.migration": False}
 # tables written before a column existed: the value their runs had (``dtype``: the harness's
 # default element type; runs in bfloat16 then were the GPU check's)
-LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32", "trace_sha256": "", "placement": "", "expert": -1}
+LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32", "trace_sha256": "", "placement": "", "migration": False,
+                 "expert": -1}
 
 
 def row(metric: str, value: float, unit: str, *, layer: int = -1, rank: int = -1, phase: str = "",
@@ -130,7 +133,11 @@ def config_hash(hashed: dict) -> str:
 
 
 def config_diff(stored: dict, current: dict) -> list:
-    """Keys whose values differ between two :func:`hashed_config` dicts, as ``key: a -> b``."""
+    """Keys whose values differ between two :func:`hashed_config` dicts, as ``key: a -> b``
+    (a key at its :data:`LATER_KEYS` default counts as absent: a config stored before the
+    key became one of them held it)."""
+    stored, current = ({k: v for k, v in d.items() if not (k in LATER_KEYS and v == LATER_KEYS[k])}
+                       for d in (stored, current))
     keys = sorted(set(stored) | set(current))
     missing = "<absent>"
     return [f"{k}: {stored.get(k, missing)!r} -> {current.get(k, missing)!r}" for k in keys

@@ -64,6 +64,7 @@ def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
                                 else getattr(t, "tokens_per_rank", -1)),
             "routing": getattr(t, "routing", "router" if t.whole_model else ""),
             "trace_sha256": run_trace_sha256(t), "placement": getattr(t, "placement", ""),
+            "migration": bool(getattr(t, "migration", False)),
             "batch_size": getattr(t, "batch_size", -1), "seq_len": getattr(t, "seq_len", -1),
             "seed": cfg.seed, "config_hash": digest, "clock": t.clock or clock_name(c.backend),
             "launcher": world.kind if world is not None else "local"}
@@ -97,9 +98,9 @@ def already_done(out_dir: Path, hashed: dict) -> bool:
     if stored is None:
         raise ConfigError(f"{out_dir} holds results without a record of their config (written by an older "
                           f"version); {how}")
-    if stored["config_hash"] == config_hash(hashed):
-        return True
     diff = config_diff(stored["config"], hashed)
+    if stored["config_hash"] == config_hash(hashed) or not diff:
+        return True
     raise ConfigError(f"{out_dir} holds results of a different config ({'; '.join(diff)}); {how}")
 
 

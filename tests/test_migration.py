@@ -44,3 +44,11 @@ def test_migration_is_accepted_on_prefill_and_train():
     from test_task_options import cfg_with
     for task in ("prefill", "train"):
         validate(cfg_with(f"task={task}", "model=olmoe_proxy", "cluster=cpu2", "task.migration=true"))
+
+
+def test_runs_stored_before_migration_was_a_later_key_still_resume():
+    """A run stored with task.migration=false (its default) before the key was a later key
+    is the same config as one without it; migration=true is not."""
+    from occult.records import config_diff
+    assert config_diff({"task.migration": False, "seed": 0}, {"seed": 0}) == []
+    assert config_diff({"seed": 0}, {"task.migration": True, "seed": 0}) == ["task.migration: '<absent>' -> True"]

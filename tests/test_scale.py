@@ -17,7 +17,7 @@ def _frame(rows: pd.DataFrame, **context) -> pd.DataFrame:
             "top_k": 8, "hidden_size": 256, "expert_ffn_size": 128, "tokens_per_rank": 32, "dtype": "float32",
             "task": "simulate", "system": "x", "label": "", "clock": "simulated", "system_options": "{}",
             "routing": "uniform", "experiment": "t", "impl": "harness", "cluster": "c", "init": "random",
-            "batch_size": -1, "seq_len": -1, "seed": 0, "config_hash": "h", "placement": "", "trace_sha256": "",
+            "batch_size": -1, "seq_len": -1, "seed": 0, "config_hash": "h", "placement": "", "migration": False, "trace_sha256": "",
             **context}
     return rows.assign(**base)
 

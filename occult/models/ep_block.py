@@ -81,7 +81,8 @@ class EPMoEBlock(nn.Module):
         _, ids_TK, w_TK, logits_TE, _ = self._route(x_TD, rec)
         if rec is not None:
             rec.log_routing(li, ids_TK, w_TK, logits_TE)
-        return self.dispatcher.start_moe(x_TD, ids_TK, w_TK, layer=li, recorder=rec), x.shape
+        with span(rec, li, "dispatch"):       # what starting blocks (counts, launching the all-to-all)
+            return self.dispatcher.start_moe(x_TD, ids_TK, w_TK, layer=li, recorder=rec), x.shape
 
     def finish(self, started) -> torch.Tensor:
         """The routed experts' output of a started dispatch (:meth:`start`): [..., D]."""

@@ -56,9 +56,10 @@ class ShortcutMLP(nn.Module):
     def forward(self, r_BSD: torch.Tensor) -> torch.Tensor:
         carrier = self._carrier
         routed_in = r_BSD if self.first else carrier.previous
-        started, carrier.started = carrier.started, None
-        carrier.previous = r_BSD
+        started = None if self.first else carrier.started      # the first block: nothing started for it
         nxt = self._next[0].moe if self._next else None
+        # the last block lets go of the forward's tensors (the carrier outlives the forward)
+        carrier.previous, carrier.started = (r_BSD if nxt is not None else None), None
         if started is None and self.first and hasattr(self.moe, "start"):
             started = self.moe.start(routed_in)                # nothing before the first block to hide it behind
         if nxt is not None and hasattr(nxt, "start"):
