@@ -17,7 +17,7 @@ import torch
 from occult.ep import Exchange, Recorder, SplitDispatcher, all_to_all_rows, exchange_counts
 from occult.ep.payload import wire_row_bytes
 from occult.ep.plan import Planned, RowShape, metadata_sends, returned, sends
-from occult.ep.static import StaticConfig, StaticPairs
+from occult.ep.static import StaticConfig, StaticPairs, runs_static
 from occult.ep.system import PayloadConfig, ReplicaConfig
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination,
                                weighted_scatter_add)
@@ -79,7 +79,7 @@ class NaiveDispatcher(StaticPairs, SplitDispatcher):
         return gather_rows(x_recv_RD, perm_R), recv_Pe.sum(0), handle
 
     def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
-        if self.config.is_static():
+        if runs_static(self.config):
             return self.static_plan(topk_ids_TK, rank=rank, shape=shape)
         _, send_Pe = sort_pairs_by_destination(topk_ids_TK, self.placement, home=rank)
         return pair_exchange_plan(send_Pe, rank, shape, self.config.payload_of("dispatch"),

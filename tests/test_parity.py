@@ -135,7 +135,7 @@ RULE_WORLDS = (2, 4)
 def rule_jobs(P: int) -> tuple[list, list]:
     """naive and occult under every replica rule on EPLB's slots: jobs and labels
     (``rules[<system> <rule>]``)."""
-    from occult.ep.replica_rules import REPLICA_POLICIES
+    from occult.ep.replica_rules import DEVICE_POLICIES, REPLICA_POLICIES
     placements = eplb_slot_placements(P)
     if P not in RULE_WORLDS or not placements:
         return [], []
@@ -149,6 +149,12 @@ def rule_jobs(P: int) -> tuple[list, list]:
                          LayerCase(E, 8 if E >= 8 else E, T, routing="router", renormalize=True, seed=E * 10 + 9)):
                 jobs.append((system, case, placement))
                 labels.append((f"rules[{name} {rule}]", case, system))
+    for name in ("naive", "occult"):      # the static dispatch takes the rules decided on the device
+        for rule in DEVICE_POLICIES:
+            system = {**exact_systems()[f"{name}(dispatch_mode=static)"], "replica_policy": rule}
+            case = LayerCase(E, 8 if E >= 8 else E, T, routing="router", renormalize=True, seed=E * 10 + 9)
+            jobs.append((system, case, placement))
+            labels.append((f"rules[{name} static {rule}]", case, system))
     return jobs, labels
 
 
@@ -243,13 +249,14 @@ def test_naive_on_eplb_slots_matches_reference(world):
 @pytest.mark.timeout(300)
 def test_replica_rules_match_reference_and_plan(world):
     """Every replica rule (round_robin, local_first, grace, collaborative) on naive and occult
-    over EPLB's slots is exact, forward and backward, and each one's plan is what every rank
-    logged; the rules send to different copies (they are not all round_robin)."""
+    over EPLB's slots is exact, forward and backward (the two rules decided on the device in
+    the static dispatch too), and each one's plan is what every rank logged; the rules send to
+    different copies (they are not all round_robin)."""
     pytest.importorskip("eplb")
     if world.P not in RULE_WORLDS:
         pytest.skip(f"the replica rules run in the P = {RULE_WORLDS} worlds")
     found = [(i, lab) for i, lab in enumerate(world.labels) if lab[0].startswith("rules[")]
-    assert len(found) == 2 * 4 * 2
+    assert len(found) == 2 * 4 * 2 + 2 * 2
     failures = failures_of([lab for _, lab in found], [[r[i] for i, _ in found] for r in world.results], world.P)
     assert not failures, "\n".join(failures[:20])
     placement = eplb_slot_placements(world.P)[0][2]

@@ -105,6 +105,9 @@ def cfg_with(*overrides):
     (["system=occult", "system.dispatch_mode=static", "system.kernels=torch"],
      r"system.kernels='torch': dispatch_mode=static has one experts step of its own .* allowed value with it: auto"),
     (["system=naive", "system.max_tokens_per_rank=-1"], r"system.max_tokens_per_rank=-1: must be >= 0"),
+    (["system=occult", "system.dispatch_mode=static", "system.replica_policy=collaborative"],
+     r"system.replica_policy='collaborative': its choice is made on the host, which dispatch_mode=static may not "
+     r"read; allowed values with it: \['round_robin', 'local_first'\]"),
     (["task=decode", "model=olmoe_proxy", "system=occult", "system.dispatch_mode=static", "task.cuda_graph=true"],
      r"task.cuda_graph=true captures the decode step in a CUDA graph, which needs CUDA ranks .*Allowed value here: "
      r"false"),

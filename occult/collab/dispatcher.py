@@ -35,7 +35,7 @@ import torch
 from ..ep import Exchange, Recorder, SplitDispatcher, all_to_all_rows, exchange_counts
 from ..ep.payload import wire_row_bytes
 from ..ep.plan import metadata_sends, returned, sends
-from ..ep.static import StaticConfig
+from ..ep.static import StaticConfig, runs_static
 from ..ep.system import PayloadConfig, ReplicaConfig
 from ..ep.accounting import span
 from ..ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
@@ -162,7 +162,7 @@ class OccultDispatcher(StaticSFD, SplitDispatcher):
     def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
         """``counts`` (one int64 per rank), ``dispatch`` (BRIM_0's SFD rows, each with its e
         gate weights) and ``combine`` (the dispatch returned, the merged rows)."""
-        if self.config.is_static():
+        if runs_static(self.config):
             return self.static_plan(topk_ids_TK, rank=rank, shape=shape)
         P, e = self.ep.world_size, self.placement.num_local
         send_P = build_brim0(topk_ids_TK, self.placement, rank).send_P

@@ -32,6 +32,7 @@ from ..ep import Exchange, Recorder
 from ..ep.accounting import span
 from ..ep.comm import all_to_all_fixed
 from ..ep.payload import wire_row_bytes
+from ..ep.permute import home_of
 from ..ep.plan import returned, sends
 from ..ep.static import StaticDispatch, slot_swiglu
 
@@ -46,14 +47,16 @@ class StaticSFDHandle:
     recorder: Optional[Recorder]
 
 
-def weights_table(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, placement, M: int) -> torch.Tensor:
+def weights_table(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, placement, M: int,
+                  rank: int = 0) -> torch.Tensor:
     """Per destination device, token slot and local expert, the pair's gate weight, -1 where
     the token does not use that expert: [P, M, e] (differentiable in the weights; a dropped
-    pair, id -1, writes nowhere)."""
+    pair, id -1, writes nowhere); on a slot placement, the copies the replica rule picks for
+    tokens sent by ``rank``."""
     T, K = topk_ids_TK.shape
     P, e = placement.num_devices, placement.num_local
     keep_TK = topk_ids_TK >= 0
-    dev_TK, slot_TK = placement.pair_local(topk_ids_TK)
+    dev_TK, slot_TK = placement.pair_local(topk_ids_TK, home_of(topk_ids_TK, rank))
     tok_T1 = torch.arange(T, device=topk_ids_TK.device).unsqueeze(1)
     at_TK = torch.where(keep_TK, (dev_TK * M + tok_T1) * e + slot_TK, torch.full_like(dev_TK, P * M * e))
     w_X = topk_weights_TK.new_full((P * M * e + 1,), -1.0)
@@ -68,7 +71,7 @@ class StaticSFD(StaticDispatch):
         P, e = self.placement.num_devices, self.placement.num_local
         T, D = x_TD.shape
         with span(rec, layer, "occult_index"):
-            w_PMe = weights_table(topk_ids_TK, topk_weights_TK.to(x_TD.dtype), self.placement, M)
+            w_PMe = weights_table(topk_ids_TK, topk_weights_TK.to(x_TD.dtype), self.placement, M, self.ep.rank)
             x_MD = torch.cat([x_TD, x_TD.new_zeros(M - T, D)]) if M > T else x_TD
             send_RX = torch.cat([x_MD.unsqueeze(0).expand(P, M, D), w_PMe], 2).reshape(P * M, D + e)
         marks = lambda rows: (rows[:, D:].detach() >= 0).any(1)

@@ -35,6 +35,8 @@ from typing import Optional
 import torch
 
 REPLICA_POLICIES = ("round_robin", "local_first", "grace", "collaborative")
+# the rules decided on the device alone (no host read: a static dispatch can take them)
+DEVICE_POLICIES = ("round_robin", "local_first")
 
 
 def first_slot_EP(placement) -> torch.Tensor:

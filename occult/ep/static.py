@@ -47,7 +47,9 @@ import torch.nn.functional as nnf
 from .accounting import Recorder, backward_span, span
 from .comm import Exchange, all_to_all_fixed
 from .payload import wire_row_bytes
+from .permute import home_of
 from .plan import returned, sends
+from .replica_rules import DEVICE_POLICIES
 from .system import SystemConfig
 
 DISPATCH_MODES = ("dynamic", "static")
@@ -74,6 +76,10 @@ class StaticConfig(SystemConfig):
         if self.max_tokens_per_rank < 0:
             raise ValueError(f"system.max_tokens_per_rank={self.max_tokens_per_rank}: must be >= 0 "
                              "(0: the task's tokens per rank)")
+        rule = getattr(self, "replica_policy", "round_robin")
+        if self.is_static() and rule not in DEVICE_POLICIES:
+            raise ValueError(f"system.replica_policy={rule!r}: its choice is made on the host, which "
+                             f"dispatch_mode=static may not read; allowed values with it: {list(DEVICE_POLICIES)}")
         if self.is_static() and getattr(self, "compressed", lambda: False)():
             raise ValueError("system.dispatch_mode=static sends rows as they are: allowed payloads with it are "
                              "payload=fp32, combine_payload=null")
@@ -193,16 +199,17 @@ class PairHandle:
     recorder: Optional[Recorder]
 
 
-def pair_slots(topk_ids_TK: torch.Tensor, placement, M: int) -> tuple:
+def pair_slots(topk_ids_TK: torch.Tensor, placement, M: int, rank: int = 0) -> tuple:
     """Where each (token, k) pair goes in the send buffer: ``(row_TK, slot_TK, S)``; token t's
     j-th pair on device p takes row ``p S + t Kd + j`` (Kd = min(K, e), S = Kd M); a dropped
-    pair (id -1) row ``P S`` (the trash row). ``slot_TK``: the local expert (slot) it uses."""
+    pair (id -1) row ``P S`` (the trash row). ``slot_TK``: the local expert (slot) it uses;
+    on a slot placement, the copy the replica rule picks for tokens sent by ``rank``."""
     T, K = topk_ids_TK.shape
     P, e = placement.num_devices, placement.num_local
     Kd = min(K, e)
     S = Kd * M
     keep_TK = topk_ids_TK >= 0
-    dev_TK, slot_TK = placement.pair_local(topk_ids_TK)
+    dev_TK, slot_TK = placement.pair_local(topk_ids_TK, home_of(topk_ids_TK, rank))
     dev_TK = torch.where(keep_TK, dev_TK, torch.full_like(dev_TK, -1))
     same_TKK = (dev_TK.unsqueeze(2) == dev_TK.unsqueeze(1)) & keep_TK.unsqueeze(1)
     earlier_KK = torch.ones(K, K, dtype=torch.bool, device=dev_TK.device).tril(-1)
@@ -219,7 +226,7 @@ class StaticPairs(StaticDispatch):
         P, e = self.placement.num_devices, self.placement.num_local
         T, K = topk_ids_TK.shape
         D = x_TD.shape[1]
-        row_TK, slot_TK, S = pair_slots(topk_ids_TK, self.placement, M)
+        row_TK, slot_TK, S = pair_slots(topk_ids_TK, self.placement, M, self.ep.rank)
         # each pair's row: its token's D values and its local expert (the valid mark: -1 is padding)
         rows_QX = torch.cat([x_TD.unsqueeze(1).expand(T, K, D), slot_TK.to(x_TD.dtype).unsqueeze(2)], 2)
         empty = x_TD.new_zeros(P * S + 1, D + 1)
