@@ -1,5 +1,6 @@
-"""The models: EP versions equal the single-device model; each family's router is the gate
-rule the harness states for it; checkpoints; KV-cache decode."""
+"""The models: EP versions equal the single-device model (and, in the P = 2 world, sequence
+migration equals plain EP and ScMoE's overlapped schedule its step-by-step run); each
+family's router is the gate rule the harness states for it; checkpoints; KV-cache decode."""
 
 import pytest
 import torch
@@ -10,7 +11,6 @@ from occult.models.build import CheckpointError, hf_config, init_model, load_che
 from occult.ep import GateRule, Placement
 from occult.models.families import family_of, gate_rule
 from occult.pruning import GroupLimit
-from occult.parity import run_model_grid
 
 from migration_helpers import models_and_migration
 
