@@ -46,6 +46,7 @@ def separated_pairs(stats: pd.DataFrame) -> list:
     return out
 
 
+@pytest.mark.slow    # 13 s; a measured P = 4 world
 @pytest.mark.timeout(240)
 def test_the_advisors_order_agrees_with_measurement_where_the_gap_exceeds_the_spread(tmp_path, capsys):
     checked = []

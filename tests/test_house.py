@@ -108,6 +108,7 @@ def test_a_toy_system_from_a_folder_passes_parity(toy):
     assert len(labels) == len(cases_for(2)) > 10
 
 
+@pytest.mark.slow    # 19 s; the toy system's parity test stays in the default run
 @pytest.mark.timeout(600)
 def test_a_toy_system_from_a_folder_joins_a_fig1_sweep(toy):
     sweep = toy / "sweep"
@@ -239,6 +240,7 @@ def test_the_occult_bench_command_is_run_py(bad_input_runs):
     assert code == 2 and err.strip().startswith(BAD_INPUT[0][1]), err
 
 
+@pytest.mark.slow    # 8 s; the sweep's progress line
 @pytest.mark.timeout(300)
 def test_a_sweep_shows_points_done_and_time_left(tmp_path):
     proc = run_py("-m", "system=naive", "cluster=cpu1", "model.top_k=1,2", *SMALL,
@@ -269,7 +271,8 @@ def test_a_stale_lock_ends_quickly_and_names_the_file(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("proxy,arch", [("olmoe_proxy", {}), ("deepseek_v3_proxy", {"n_group": 2, "topk_group": 1})])
+@pytest.mark.parametrize("proxy,arch", [("olmoe_proxy", {}), pytest.param("deepseek_v3_proxy", {"n_group": 2, "topk_group": 1},
+                                                                        marks=pytest.mark.slow)])   # 11 s
 def test_pretraining_is_bit_reproducible_whatever_the_callers_threads(tmp_path, proxy, arch):
     """The same config and seed give the same checkpoint, even when the calling process
     runs at another thread count (pretrain.threads is what the training uses); DeepSeek-V3's

@@ -49,6 +49,7 @@ def test_torchrun_single_run_and_multirun(tmp_path):
     assert (proc.stdout + proc.stderr).count("results of this config exist") == 1     # rank 0 says it skips occult
 
 
+@pytest.mark.slow    # 14 s; torchrun's launcher test stays in the default run
 @pytest.mark.timeout(300)
 def test_submitit_jobs_of_two_tasks_each(tmp_path):
     """hydra/launcher=submitit_local with tasks_per_node=2: each sweep point is a job whose two

@@ -219,6 +219,7 @@ def test_bad_options_are_one_line_errors(target, options, message):
         system_config(system(target, **options)).check(num_experts=12, top_k=2, world_size=3)
 
 
+@pytest.mark.slow    # 8 s; their forward and backward are the parity suite's
 @pytest.mark.timeout(300)
 def test_shadowed_and_fetched_experts_train_like_the_single_device_model(tmp_path):
     """Whole models, forward and backward: a profile whose links are fast and whose

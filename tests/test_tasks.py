@@ -109,6 +109,7 @@ def test_todays_proxies_run_prefill_parity_checked_with_their_own_routers(tmp_pa
     assert 0 < sent(occult_b) < sent(naive_b)
 
 
+@pytest.mark.slow    # 13 s; every system's training is the parity suite's
 @pytest.mark.timeout(600)
 def test_reference_system_trains_like_expert_parallel_naive(tmp_path):
     """system=reference (the transformers model on every rank, gradients averaged) and

@@ -143,6 +143,7 @@ def test_options_and_placement_are_checked():
         config().build(EPGroup(rank=0, world_size=2), 0, 4, Placement.from_groups([[1, 0], [2, 3]]))
 
 
+@pytest.mark.slow    # 13 s; Tutel's parity and model tests stay in the default run
 @pytest.mark.timeout(500)
 def test_prefill_runs_write_library_rows_with_padding_and_drops(tmp_path):
     """Dropless (checked against the reference before timing) and with a capacity that drops."""
