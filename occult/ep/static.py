@@ -36,6 +36,7 @@ expert FFN, P ranks, e local experts (slots per device), S slots per destination
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -151,7 +152,7 @@ def with_trash_row(x_RD: torch.Tensor) -> torch.Tensor:
     return torch.cat([x_RD, x_RD.new_zeros((1,) + tuple(x_RD.shape[1:]))])
 
 
-class StaticDispatch:
+class StaticDispatch(ABC):
     """Mixin of a split dispatcher with a static mode (listed before
     :class:`occult.ep.dispatcher.SplitDispatcher`): ``forward_moe`` runs the static path
     when :func:`runs_static`, each part timed as the dynamic one's (dispatch, experts,
@@ -170,20 +171,22 @@ class StaticDispatch:
         with span(rec, layer, "combine"):
             return self.static_combine(y, handle)
 
+    @abstractmethod
     def static_dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, M: int, *, layer: int,
                         recorder: Optional[Recorder]):
         """``(routed, handle)``: the rows the experts step reads and what combine needs."""
-        raise NotImplementedError
 
+    @abstractmethod
     def static_experts(self, experts, routed, handle):
-        raise NotImplementedError
+        """The local experts on the received fixed buffer: their (merged) outputs."""
 
+    @abstractmethod
     def static_combine(self, y, handle):
-        raise NotImplementedError
+        """The outputs back to their tokens: [T, D]."""
 
+    @abstractmethod
     def static_plan(self, topk_ids_TK, *, rank: int, shape) -> list:
         """The static path's collectives (fixed rows per destination, whatever the routing)."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
