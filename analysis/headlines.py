@@ -65,13 +65,17 @@ def old_value(h: Headline, lines: list[str] | None = None) -> str:
 def builder_table(builder: str, df: pd.DataFrame, table: str) -> pd.DataFrame:
     """The table ``table`` of report builder ``builder`` (analysis.figures) on ``df`` (its
     figures written to a scratch folder)."""
-    build = import_module(f"analysis.figures.{builder}").build
-    with tempfile.TemporaryDirectory() as tmp:
-        for sec in build(df, Path(tmp)):
-            for name, t in sec.tables:
-                if name == table:
-                    return t
-    raise KeyError(f"report builder {builder} wrote no table {table}")
+    key = (builder, id(df))
+    if key not in _BUILT:                   # one build per builder and table (evaluate clears it)
+        build = import_module(f"analysis.figures.{builder}").build
+        with tempfile.TemporaryDirectory() as tmp:
+            _BUILT[key] = {name: t for sec in build(df, Path(tmp)) for name, t in sec.tables}
+    if table not in _BUILT[key]:
+        raise KeyError(f"report builder {builder} wrote no table {table}")
+    return _BUILT[key][table]
+
+
+_BUILT: dict = {}
 
 
 def _one(t: pd.DataFrame, column: str, **where) -> float:
@@ -226,16 +230,15 @@ def timed_subsets(df: pd.DataFrame) -> list[pd.DataFrame]:
 
 def evaluate(experiment: str, frames: list[pd.DataFrame]) -> dict:
     """``{headline name: [value per sample]}`` over ``frames`` (the samples' tables)."""
-    out = {}
-    for h in of(experiment):
-        vals = []
-        for f in frames:
+    out = {h.name: [] for h in of(experiment)}
+    for f in frames:
+        for h in of(experiment):
             try:
                 v = h.new(f)
             except (KeyError, ValueError, ZeroDivisionError):
                 v = float("nan")
-            vals.append(None if not np.isfinite(v) else round(float(v), 6))
-        out[h.name] = vals
+            out[h.name].append(None if not np.isfinite(v) else round(float(v), 6))
+        _BUILT.clear()
     return out
 
 
