@@ -78,9 +78,20 @@ def save_log(log: dict) -> None:
     LOG.write_text(json.dumps(log, indent=1, sort_keys=True) + "\n")
 
 
-def done(log: dict, name: str) -> bool:
+def reruns_of(name: str) -> int:
+    """How often the command runs: RERUNS for a headline experiment whose numbers time nothing, else once."""
+    return hl.RERUNS if hl.of(name) and name not in hl.TIMED else 1
+
+
+def published_here(log: dict, name: str) -> bool:
+    """The log has the experiment published from a clean tree at the checkout's code."""
     entry = log.get(name)
     return bool(entry) and entry.get("clean", False) and same_code(entry["commit"])
+
+
+def done(log: dict, name: str) -> bool:
+    """Published at this code, with every rerun its headlines need."""
+    return published_here(log, name) and 1 + len(log[name].get("rerun_wall_s", [])) >= reruns_of(name)
 
 
 def fresh_folder(folder: Path, commit: str) -> str:
@@ -117,44 +128,62 @@ def figures_of(name: str) -> list[str]:
     return sorted(p.relative_to(DOCS).as_posix() for p in (DOCS / name).glob("*.png")) if (DOCS / name).is_dir() else []
 
 
+def run_sweep(name: str, folder: Path, r: int, prefix: str, commit: str) -> float | None:
+    """Runs ``python run.py experiment=NAME`` into ``folder`` (run ``r`` of its reruns); its
+    wall seconds, or None when it failed."""
+    state = fresh_folder(folder, commit)
+    cmd = [sys.executable, "run.py", f"experiment={name}"]
+    if r > 1:
+        cmd.append(f"hydra.sweep.dir=runs/{folder.name}")
+    rc, wall = run_logged(cmd, RUNS / f"{folder.name}.results.log", f"{prefix} run {r}/{reruns_of(name)}:")
+    print(f"{prefix} run {r}/{reruns_of(name)} ({state}) exit {rc} after {wall / 60:.1f} min", flush=True)
+    if rc != 0:
+        print(f"{prefix} FAILED: see runs/{folder.name}.results.log; the other experiments go on", flush=True)
+        return None
+    return wall
+
+
 def run_one(name: str, i: int, n: int, clean: bool, log: dict) -> bool:
-    """Runs, publishes and logs one experiment (and its reruns); False when it failed."""
+    """Runs, publishes and logs one experiment, then its reruns (each logged as it ends, so a
+    kill keeps what was published); False when it failed."""
     prefix = f"[results {i}/{n} {name}]"
     commit = head()
-    reruns = hl.RERUNS if hl.of(name) and name not in hl.TIMED else 1
-    folders = [RUNS / name] + [RUNS / f"{name}_r{r}" for r in range(2, reruns + 1)]
+    folders = [RUNS / name] + [RUNS / f"{name}_r{r}" for r in range(2, reruns_of(name) + 1)]
     before = (log.get(name) or {}).get("wall_s")
     print(f"{prefix} start at {commit}{'' if clean else ' (DIRTY TREE)'}"
           + (f"; last time {before / 60:.1f} min" if before else ""), flush=True)
-    walls = []
-    for r, folder in enumerate(folders, 1):
-        state = fresh_folder(folder, commit)
-        cmd = [sys.executable, "run.py", f"experiment={name}"]
-        if r > 1:
-            cmd.append(f"hydra.sweep.dir=runs/{folder.name}")
-        rc, wall = run_logged(cmd, RUNS / f"{folder.name}.results.log", f"{prefix} run {r}/{reruns}:")
-        print(f"{prefix} run {r}/{reruns} ({state}) exit {rc} after {wall / 60:.1f} min", flush=True)
-        if rc != 0:
-            print(f"{prefix} FAILED: see runs/{folder.name}.results.log; the other experiments go on", flush=True)
+    if not published_here(log, name):
+        wall = run_sweep(name, folders[0], 1, prefix, commit)
+        if wall is None:
             return False
-        walls.append(wall)
-    command = f"python -m analysis.report runs/{name} --publish docs/results"
-    rc, _ = run_logged([sys.executable, "-m", "analysis.report", f"runs/{name}", "--publish", "docs/results"],
-                       RUNS / f"{name}.results.log", f"{prefix} publish:")
-    if rc != 0:
-        print(f"{prefix} FAILED to publish: see runs/{name}.results.log", flush=True)
-        return False
-    entry = {"command": f"python run.py experiment={name}", "published_by": command, "commit": commit,
-             "clean": clean, "dirty_files": [] if clean else dirty_files(), "wall_s": round(walls[0], 1),
-             "rerun_wall_s": [round(w, 1) for w in walls[1:]],
-             "finished": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "figures": figures_of(name)}
+        command = f"python -m analysis.report runs/{name} --publish docs/results"
+        rc, _ = run_logged([sys.executable, "-m", "analysis.report", f"runs/{name}", "--publish", "docs/results"],
+                           RUNS / f"{name}.results.log", f"{prefix} publish:")
+        if rc != 0:
+            print(f"{prefix} FAILED to publish: see runs/{name}.results.log", flush=True)
+            return False
+        log[name] = {"command": f"python run.py experiment={name}", "published_by": command, "commit": commit,
+                     "clean": clean, "dirty_files": [] if clean else dirty_files(), "wall_s": round(wall, 1),
+                     "rerun_wall_s": [], "finished": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                     "figures": figures_of(name)}
+        log_headlines(log, name, folders[:1])
+        print(f"{prefix} published docs/results/{name}.md ({wall / 60:.1f} min)", flush=True)
+    entry = log[name]
+    for r in range(2 + len(entry["rerun_wall_s"]), len(folders) + 1):
+        wall = run_sweep(name, folders[r - 1], r, prefix, commit)
+        if wall is None:
+            return False
+        entry["rerun_wall_s"].append(round(wall, 1))
+        log_headlines(log, name, folders[:r])
+    return True
+
+
+def log_headlines(log: dict, name: str, folders: list[Path]) -> None:
+    """Adds the headline numbers over ``folders`` to the log entry; saves the log and index.md."""
     if hl.of(name):
-        entry["headlines"] = headline_samples(name, folders)
-    log[name] = entry
+        log[name]["headlines"] = headline_samples(name, folders)
     save_log(log)
     write_index(log)
-    print(f"{prefix} published docs/results/{name}.md ({walls[0] / 60:.1f} min)", flush=True)
-    return True
 
 
 def headline_samples(name: str, folders: list[Path]) -> dict:
