@@ -48,3 +48,14 @@ def failed_command(res, args, out):
                                    "sys.exit(3)"], out / "decode", 20)
     res.update({f"decode_{k}": v for k, v in ended.items()})
     res["decode_graph_token_latency_ms"] = 0.5
+
+
+def static_step_on_cpu(ctx, cfg_dict):
+    """The static_syncs step's rank function on a CPU rank (gloo): the device syncs and the
+    sync debug mode, which need CUDA, recorded instead of set."""
+    import torch
+    modes = []
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.set_sync_debug_mode = modes.append
+    found = gpu_check._static_step_rank(ctx, cfg_dict)
+    return {**found, "modes": modes}

@@ -90,6 +90,28 @@ def test_a_machine_without_cuda_stops_in_one_line(tmp_path):
     assert not (tmp_path / "never").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_static_sync_step_runs_a_recorded_static_decode_step_on_cpu():
+    """The static_syncs step's own code through the task's entry points (prepare, setup,
+    DecodeWorkload) on a CPU rank: its parity gate passes, the checked step exchanges
+    (dispatch and combine per MoE layer) between the two sync-debug mode switches."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from gpu_check_steps import static_step_on_cpu
+    from occult.config import CONF_DIR, register
+    from occult.tasks.model import prepare
+    register()
+    overrides = [o.replace("gpu1", "cpu1").replace("bfloat16", "float32") for o in gpu_check.STATIC_DECODE]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    cfg_dict = prepare({**OmegaConf.to_container(cfg, resolve=True), "out_dir_resolved": "."})
+    (found,) = launch(static_step_on_cpu, 1, (cfg_dict,), single_rank_collectives=True, timeout_s=200)
+    assert found["parity_checked"] and found["static_step_without_host_sync"]
+    assert found["collectives_in_step"] == 2 * cfg.model.num_layers and found["modes"] == ["error", "default"]
+
+
 @pytest.mark.timeout(60)
 def test_single_rank_collectives_reach_the_backend():
     """At P = 1 the collectives are local copies; with single_rank_collectives they go
