@@ -182,6 +182,14 @@ def run_step(name: str, target: str, args, out: Path) -> dict:
     return res
 
 
+def _gist(error: str) -> str:
+    """A one-line form of an error message: its first line and, for a longer one (a rank's
+    traceback), its last (the step's results keep it whole)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    gist = lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
+    return gist[:400]
+
+
 def failed_checks(report: dict, steps) -> list:
     """What failed, by name: a step's error, a check that is false (a boolean anywhere in a
     step's results), a non-zero return code (a key ``returncode`` or ``*_returncode``), a
@@ -192,7 +200,7 @@ def failed_checks(report: dict, steps) -> list:
         if isinstance(value, dict):
             for key, v in value.items():
                 if key == "error":
-                    failed.append(f"{prefix}: {v}")
+                    failed.append(f"{prefix}: {_gist(v)}")
                 elif key.endswith("returncode"):
                     if v:           # None (never started) or non-zero
                         failed.append(f"{prefix}.{key} = {v}")
