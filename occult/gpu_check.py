@@ -121,6 +121,7 @@ def run_step_here(name: str, target: str, args, out: Path) -> int:
     """In the step's own process: ``target(res, args, out)`` filling ``<out>/<name>.json``;
     an exception is recorded as the step's ``error`` (exit status 1)."""
     res = StepResults(out / f"{name}.json")
+    args.deadline = time.monotonic() + args.step_timeout - 10      # for what the step starts: before the kill
     try:
         import_target(target)(res, args, out)
     except Exception as exc:  # noqa: BLE001 - recorded, then the step's process exits 1
@@ -343,7 +344,7 @@ def device_facts(res, args, out) -> None:
     p = torch.cuda.get_device_properties(0)
     res.update(name=p.name, capability=f"{p.major}.{p.minor}", memory_GiB=round(p.total_memory / 2 ** 30, 1),
                multiprocessors=p.multi_processor_count, python=platform.python_version(),
-               cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())))
+               cuda=torch.version.cuda, nccl=str(torch.cuda.nccl.version()))
     versions = {}
     for pkg in ("torch", "triton", "transformers", "hydra-core", "omegaconf", "numpy", "pandas", "megablocks",
                 "grouped_gemm"):
@@ -436,16 +437,22 @@ def megablocks_library(res, args, out) -> None:
                 res[f"{name}_forward_ms"] = _timed(lambda: layer(x, None, ids))
 
 
+def _time_left(args) -> float:
+    """Seconds a command or world the step starts may take: what is left of the step's limit,
+    less 10 s to record how it ended before the step itself is killed (at least 5)."""
+    return max(args.deadline - time.monotonic(), 5.0)
+
+
 def _harness_run(res, key: str, overrides: list, out: Path, args, env: dict | None = None) -> Path:
     """``python run.py -m <overrides>`` into ``<out>/<key>`` (collectives time out after
-    60 s; the run itself well inside the step's limit): how it ended under ``<key>_*`` in
+    60 s; the run itself inside what is left of the step's limit): how it ended under ``<key>_*`` in
     ``res``, its output in ``<key>.stdout`` / ``.stderr``. Returns the sweep folder, whose
     results the caller reads whatever the return code."""
     sweep = out / key
     cmd = [sys.executable, "run.py", "-m", *overrides, f"cluster.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
            f"hydra.sweep.dir={sweep}"]
     res[f"{key}_command"] = " ".join(cmd[1:])
-    ended = run_command(cmd, out / key, max(args.step_timeout - 30, 10), env)
+    ended = run_command(cmd, out / key, _time_left(args), env)
     res.update({f"{key}_{k}": v for k, v in ended.items()})
     return sweep
 
@@ -598,7 +605,7 @@ def static_syncs(res, args, out) -> None:
     cfg_dict = prepare({**OmegaConf.to_container(cfg, resolve=True), "out_dir_resolved": str(out)})
     res["overrides"] = " ".join(STATIC_DECODE)
     (found,) = launch(_static_step_rank, 1, (cfg_dict,), backend="nccl", single_rank_collectives=True,
-                      timeout_s=max(args.step_timeout - 30, 10), collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+                      timeout_s=_time_left(args), collective_timeout_s=COLLECTIVE_TIMEOUT_S)
     res.update(found)
 
 
