@@ -296,10 +296,13 @@ def main(argv=None) -> None:
     if "throughput" in steps and "dense_bf16_TFLOPs" in tp and "grouped_gemm_TFLOPs" in tp and "memory_GBps" in tp:
         name = dev.get("name", "gpu")
         path = out / f"profile_{re.sub(r'[^a-z0-9]+', '_', name.lower()).strip('_')}x8_measured.yaml"
-        path.write_text(measured_profile(name, tp))
-        report["measured_profile"] = str(path)
+        try:
+            path.write_text(measured_profile(name, tp))
+            report["measured_profile"] = str(path)
+        except Exception as exc:  # noqa: BLE001 - the steps' results are written whatever the profile does
+            report["measured_profile"] = {"error": f"{type(exc).__name__}: {exc}"}
     ran = [n for n in STEPS if n in report["steps"]]      # this call's steps and those kept from before
-    report["failed"] = failed_checks(report, ran)
+    report["failed"] = failed_checks(report, ran) + failed_checks({"steps": report}, ["measured_profile"])
     write_report(report, out)
     print(out / "gpu_check.json")
     lines = summary(report, ran)
