@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from occult import gpu_check
+from occult import gpu_check, gpu_steps
 
 
 def passes(res, args, out):
@@ -57,5 +57,5 @@ def static_step_on_cpu(ctx, cfg_dict):
     modes = []
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.set_sync_debug_mode = modes.append
-    found = gpu_check._static_step_rank(ctx, cfg_dict)
+    found = gpu_steps._static_step_rank(ctx, cfg_dict)
     return {**found, "modes": modes}

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from occult import gpu_check
+from occult import gpu_check, gpu_steps
 from occult.dist import launch
 
 STANDINS = ("passes", "raises", "hangs", "crashes", "false_check", "skipped", "failed_command")
@@ -103,7 +103,7 @@ def test_the_static_sync_step_runs_a_recorded_static_decode_step_on_cpu():
     from occult.config import CONF_DIR, register
     from occult.tasks.model import prepare
     register()
-    overrides = [o.replace("gpu1", "cpu1").replace("bfloat16", "float32") for o in gpu_check.STATIC_DECODE]
+    overrides = [o.replace("gpu1", "cpu1").replace("bfloat16", "float32") for o in gpu_steps.STATIC_DECODE]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     cfg_dict = prepare({**OmegaConf.to_container(cfg, resolve=True), "out_dir_resolved": "."})
