@@ -9,9 +9,10 @@ CUDA torch and the GPU extras in ``.venv-gpu``), and ``make gpu-check-device`` o
 without a network that has a CUDA torch already (the lent H200: its own ``python3``, the
 packages it lacks carried as wheels, :mod:`occult.gpu_wheels`). Both run this module.
 
-Each step (:mod:`occult.gpu_steps`) runs in a process of its own (``--run-step``): a CUDA fault, which is sticky for
-the rest of a process, stays in its step, and a step that hangs is killed (with whatever
-it started) after ``--step-timeout`` seconds (150); the collectives of its NCCL worlds time
+Each step (:mod:`occult.gpu_steps`) runs in a process of its own (``--run-step``): a CUDA
+fault, which is sticky for the rest of a process, stays in its step, and a step that hangs
+is killed (with whatever it started) after ``--step-timeout`` seconds (150; ``--total-timeout``
+caps all of them together); the collectives of its NCCL worlds time
 out after 60 s. A step writes its results to ``<out>/<step>.json`` as it goes, so what it
 measured before it failed, crashed or hung is kept; its output goes to ``<step>.stdout``
 and ``<step>.stderr`` in full (``HYDRA_FULL_ERROR=1``). ``--steps`` reruns some steps into an
