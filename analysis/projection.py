@@ -98,23 +98,32 @@ def has_peer_bytes(run: pd.DataFrame) -> bool:
     return bool((run.metric == "bytes").any())
 
 
+# ... and the messages each rank sends (peers with a non-empty block), in all and across nodes
+MESSAGES = ("messages", "inter_node_messages")
+
+
+def _rank_vector(g: pd.DataFrame, name: str, P: int) -> np.ndarray:
+    """[P]: metric ``name``'s values of ``g`` summed per rank."""
+    v = np.zeros(P)
+    m = g[g.metric == name]
+    np.add.at(v, m["rank"].to_numpy(int), m.value.to_numpy(float))
+    return v
+
+
 def _collective_totals(run: pd.DataFrame) -> pd.DataFrame:
     """Per (layer, phase, pass) of a run with per-rank :data:`TOTALS` only: the four [P]
-    vectors (sent / received within the node, sent / received across nodes), calls 1, kind."""
+    vectors (sent / received within the node, sent / received across nodes), the two of
+    :data:`MESSAGES` (None for a run written before them), calls 1, kind."""
     P = int(run.world_size.iloc[0])
     kinds = _kinds(run)
-    t = run[run.metric.isin(TOTALS) & (run["rank"] >= 0)]
+    t = run[run.metric.isin(TOTALS + MESSAGES) & (run["rank"] >= 0)]
     out = []
     for (layer, phase, direction), g in t.groupby(["layer", "phase", "pass"]):
-        vectors = []
-        for name in TOTALS:
-            v = np.zeros(P)
-            m = g[g.metric == name]
-            np.add.at(v, m["rank"].to_numpy(int), m.value.to_numpy(float))
-            vectors.append(v)
-        out.append({"layer": layer, "phase": phase, "direction": direction, "totals": tuple(vectors), "calls": 1,
+        messages = tuple(_rank_vector(g, name, P) for name in MESSAGES) if g.metric.isin(MESSAGES).any() else None
+        out.append({"layer": layer, "phase": phase, "direction": direction,
+                    "totals": tuple(_rank_vector(g, name, P) for name in TOTALS), "messages": messages, "calls": 1,
                     "kind": kinds.get((layer, phase, direction), "all_to_all")})
-    return pd.DataFrame(out, columns=["layer", "phase", "direction", "totals", "calls", "kind"])
+    return pd.DataFrame(out, columns=["layer", "phase", "direction", "totals", "messages", "calls", "kind"])
 
 
 def _priced_totals(c, run: pd.DataFrame, link, target: Optional["Target"], profile: "Profile") -> float:
@@ -132,7 +141,9 @@ def _priced_totals(c, run: pd.DataFrame, link, target: Optional["Target"], profi
                          "(task.routers=<its proxy>)")
     P = int(run.world_size.iloc[0])
     multi_node = bool(link.devices_per_node) and link.devices_per_node < P
-    return a2a_seconds_of_totals(*c.totals, link, c.calls, multi_node=multi_node)
+    messages, inter_messages = c.messages if c.messages is not None else (None, None)
+    return a2a_seconds_of_totals(*c.totals, link, c.calls, multi_node=multi_node, messages_P=messages,
+                                 inter_messages_P=inter_messages)
 
 
 def _run_element_bytes(run: pd.DataFrame) -> int:

@@ -448,10 +448,27 @@ def layer_rows(cfg, world: list, routing: list, placement, layer: int) -> list:
         out += token_rows_of(stats.rows(start, start + ids[rank].shape[0]), layer, rank)
         start += ids[rank].shape[0]
     out += token_rows_of(stats, layer, -1)
+    out += node_ct_rows(ids, placement.to("cpu"), home, c.devices_per_node or P, layer)
     tokens = sum(x.shape[0] for x in ids)
     for w in world:
         if w.phase in ("dispatch", "combine"):
             out += rows_per_token_row(int(w.rows_PP.sum()), tokens, layer, w.phase, w.direction)
+    return out
+
+
+def node_ct_rows(ids: list, placement, home: list, devices_per_node: int, layer: int) -> list:
+    """Per rank (and -1: all ranks) ``ct_nodes``: the mean number of distinct nodes a token's
+    experts lie on, its own node included (C_T over nodes: the (token, node) pairs of a
+    node-deduplicated exchange, per token). ``ids[r]``: rank r's [T, K] expert ids."""
+    out, total, count = [], 0.0, 0
+    for rank, (ids_TK, home_T) in enumerate(zip(ids, home)):
+        dev_TK = torch.where(ids_TK >= 0, placement.pair_devices(ids_TK, home_T), -1)
+        node_TK = torch.where(dev_TK >= 0, dev_TK // devices_per_node, -1).sort(dim=1).values
+        n_T = (node_TK[:, :1] >= 0).long().sum(1) + ((node_TK[:, 1:] != node_TK[:, :-1]) & (node_TK[:, 1:] >= 0)).sum(1)
+        total, count = total + float(n_T.sum()), count + n_T.numel()
+        out.append(row("ct_nodes", float(n_T.float().mean()) if n_T.numel() else float("nan"), "nodes/token",
+                       layer=layer, rank=rank))
+    out.append(row("ct_nodes", total / count if count else float("nan"), "nodes/token", layer=layer, rank=-1))
     return out
 
 
