@@ -14,6 +14,7 @@ EP 64 on the H800 profile beside the published numbers.
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -22,8 +23,8 @@ import pandas as pd
 
 from ..published import exclusions, load_points
 from ..sections import Section, write_table
-from ..transport_fit import (exchange_of, leave_one_source_out, point_key, priced_seconds, rule_rows, simulated_runs,
-                             stack)
+from ..transport_fit import (errors, exchange_of, leave_one_source_out, point_key, priced_seconds, rule_rows,
+                             simulated_runs, stack)
 
 MEDIAN_TARGET = math.log(1.15)      # per validated source
 P90_TARGET = math.log(1.35)         # over all validated points
@@ -54,7 +55,6 @@ def checked_points(df: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
     table["projected_s"] = [priced_seconds(x, p.row_bytes, p.profile, folds[p.fold], p.overlap, p.nodes > 1)
                             for x, p in zip(exchanges, table.itertuples())]
     table["projected_GBps"] = table.rule_bytes / table.projected_s / 1e9
-    from ..transport_fit import errors
     table["error"] = errors(table.projected_s.to_numpy(float), table)
     return table, folds
 
@@ -81,11 +81,35 @@ def overall(table: pd.DataFrame) -> dict:
     return {"points": len(v), "p90_error": p90, "p90_target": P90_TARGET, "met": bool(p90 <= P90_TARGET)}
 
 
-def params_table(folds: dict) -> pd.DataFrame:
-    """The fitted parameters of every fold (a row per fold and transport)."""
-    return pd.DataFrame([{"fold": "fit on every fit source" if fold == "all" else f"{fold} left out",
-                          "transport": t, **{k: round(v, 4) for k, v in p.items()}}
-                         for fold, params in folds.items() for t, p in sorted(params.items())])
+def params_table(folds: dict, table: pd.DataFrame) -> pd.DataFrame:
+    """The fitted parameters of every fold (a row per fold and transport) and where they came
+    from: the fit points of the sources the fold saw."""
+    fit = table[table.role == "fit"]
+    rows = []
+    for fold, params in folds.items():
+        seen = fit if fold == "all" else fit[fit.source != fold]
+        origin = ", ".join(f"{src} ({n})" for src, n in seen.groupby("source").size().items())
+        for t, p in sorted(params.items()):
+            rows.append({"fold": "fit on every fit source" if fold == "all" else f"{fold} left out", "transport": t,
+                         **{k: round(v, 4) for k, v in p.items()}, "fitted on (points)": origin})
+    return pd.DataFrame(rows)
+
+
+def disagreements(table: pd.DataFrame) -> pd.DataFrame:
+    """Published times of one exchange (profile, EP, phase, tokens per rank, harness system)
+    by two sources, side by side: what no price with parameters per transport can tell apart."""
+    timed = table[table.latency_us.notna() & (table.role == "fit")].copy()
+    timed["kind"] = [f"{s} {json.dumps(o, sort_keys=True)}" for s, o in zip(timed.system, timed.system_options)]
+    rows = []
+    keys = ["profile", "ep", "phase", "tokens_per_rank", "kind"]
+    for key, g in timed.groupby(keys, sort=True):
+        by_source = g.groupby("source").latency_us.mean()
+        if len(by_source) < 2:
+            continue
+        (a, ta), (b, tb) = sorted(by_source.items())[:2]
+        rows.append({**dict(zip(keys, key)), f"source_a": a, "us_a": ta, "source_b": b, "us_b": tb,
+                     "b/a": round(tb / ta, 2)})
+    return pd.DataFrame(rows).drop(columns=["kind"]) if rows else pd.DataFrame()
 
 
 def _shown(table: pd.DataFrame) -> pd.DataFrame:
@@ -107,14 +131,16 @@ def _shown(table: pd.DataFrame) -> pd.DataFrame:
 
 def h800_projections(table: pd.DataFrame) -> pd.DataFrame:
     """Decode at EP 256 (DeepEP's low-latency kernels) and prefill at EP 64 (its normal
-    kernels) on the H800 profile, projected by the fit on every fit source, beside DeepEP's
-    published numbers (the check's own EP 256 row; the normal table's EP 64 row)."""
+    kernels) on the H800 profile beside DeepEP's published numbers: the decode row (a check
+    point) projected by the fit on every fit source, the prefill row by the fit that left
+    DeepEP out; a published bandwidth also as a time (its byte rule's bytes over it)."""
     sel = table[(table.source == "deepep") & (((table.table == "low_latency") & (table.ep == 256))
                                               | ((table.table == "normal") & (table.ep == 64)))]
     return pd.DataFrame({"workload": np.where(sel.table == "low_latency", "decode, 128 tokens per rank",
                                               "prefill, 4096 tokens per rank"),
                          "EP": sel.ep, "phase": sel.phase, "profile": sel.profile,
-                         "projected_us": (sel.projected_s * 1e6).round(1), "published_us": sel.latency_us,
+                         "projected_us": (sel.projected_s * 1e6).round(1), "published_us": sel.latency_us.where(
+                             sel.latency_us.notna(), (sel.rule_bytes / sel.GBps / 1e3).round(1)),
                          "projected_GBps": sel.projected_GBps.round(1), "published_GBps": sel.GBps,
                          "fold": sel.fold})
 
@@ -128,9 +154,11 @@ def build(df: pd.DataFrame, out_dir) -> list:
         return [Section(title, ["Not simulated: no task=simulate runs (python run.py experiment=published_check)."])]
     out_dir = Path(out_dir)
     table, folds = checked_points(df)
-    shown, sources, params, h800 = _shown(table), per_source(table), params_table(folds), h800_projections(table)
+    shown, sources, params, h800 = _shown(table), per_source(table), params_table(folds, table), h800_projections(table)
+    apart = disagreements(table)
     for name, t in (("published_check", shown), ("published_check_sources", sources),
-                    ("published_check_params", params), ("published_check_h800", h800)):
+                    ("published_check_params", params), ("published_check_h800", h800),
+                    ("published_check_disagreements", apart)):
         write_table(t, out_dir, name)
     total = overall(table)
     validated = sources[(sources.role == "fit") & (sources.validated == "yes")]
@@ -159,8 +187,16 @@ def build(df: pd.DataFrame, out_dir) -> list:
             Section("The check: DeepEP's low-latency kernels, never fitted", [],
                     tables=[("check points", shown[shown.role == "check"].drop(columns=["run_id"]))]),
             Section("Decode at EP 256 and prefill at EP 64 on sim_h800_cx7",
-                    ["Projected by the fit on every fit source (the EP 256 decode row is a check point: "
-                     "no fit saw it), beside DeepEP's published numbers."], tables=[("H800", h800)]),
+                    ["DeepEP's kernels projected on the H800 profile beside its published numbers: decode "
+                     "(low-latency kernels, a check point) by the fit on every fit source, prefill (normal "
+                     "kernels) by the fit that left DeepEP out, so no fit saw either row. A published "
+                     "bandwidth is also shown as the time it implies (its byte rule's bytes over it)."],
+                    tables=[("H800", h800)]),
+            Section("One exchange, two sources", [
+                "Published times of the same exchange (profile, EP, phase, tokens per rank, harness system) by "
+                "two sources: a price whose parameters belong to the hardware gives both the same time, so "
+                "their ratio bounds what any such price can reach on them."] if len(apart) else
+                ["No exchange is published by two fit sources."], tables=[("same exchange", apart)] if len(apart) else []),
             Section("Every point", [], tables=[("points", shown.drop(columns=["run_id"]))]),
             Section("Fitted parameters", ["Per fold: latency (us per call), efficiency (of the profile's "
                                           "datasheet bandwidth) and per-message cost (us per peer with a "
