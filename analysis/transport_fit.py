@@ -56,7 +56,8 @@ def run_key(system: str, options: dict, world_size: int, devices_per_node: int, 
         del declared["dispatch_mode"]                     # every system's default
     if system == "hierarchical":
         declared.setdefault("dedup", "device")
-    return (system, json.dumps(declared), int(world_size), int(devices_per_node),
+    per_node = int(devices_per_node) if 0 < int(devices_per_node) < int(world_size) else int(world_size)
+    return (system, json.dumps(declared), int(world_size), per_node,
             int(tokens_per_rank), int(num_experts), int(top_k), int(hidden))
 
 
