@@ -154,7 +154,7 @@ def test_leave_one_source_out_recovers_a_model_and_flags_an_unseen_transport():
     assert table.loc[10, "error"] == pytest.approx(np.log(5.0), abs=0.02)
 
 
-# measured at 8deb2b6 (docs/results/published_check.md): the per-source medians of the validated
+# measured at 21a19c9 (docs/results/published_check.md): the per-source medians of the validated
 # sources and the 90th percentile over their points, from the leave-one-source-out fits
 MEASURED = "deepep 0.077, pplx_garden 0.370, uccl_ep 0.446 (median); 0.853 (p90 over 38 points)"
 
