@@ -41,8 +41,10 @@ def node_of(world_size: int, devices_per_node: int) -> np.ndarray:
     return np.arange(world_size) // per
 
 
-def a2a_seconds(bytes_PP: np.ndarray, link: Link, calls: int = 1) -> float:
-    """Projected time of ``calls`` all-to-alls whose summed bytes are ``bytes_PP[src, dst]``."""
+def a2a_seconds(bytes_PP: np.ndarray, link: Link, calls: int = 1, collectives: int = 0) -> float:
+    """Projected time of ``calls`` all-to-alls whose summed bytes are ``bytes_PP[src, dst]``.
+    ``collectives``: how many collectives those bytes came from (0: ``calls``); each sends a
+    message to every peer with bytes (an upper bound when they do not all reach the same peers)."""
     bytes_PP = np.asarray(bytes_PP, dtype=float)
     P = bytes_PP.shape[0]
     if P <= 1:
@@ -51,11 +53,11 @@ def a2a_seconds(bytes_PP: np.ndarray, link: Link, calls: int = 1) -> float:
     remote = ~np.eye(P, dtype=bool)
     same = (node[:, None] == node[None, :]) & remote
     cross = node[:, None] != node[None, :]
-    sent = bytes_PP > 0
-    messages = calls * ((sent & same).sum(1) + (sent & cross).sum(1))
+    sent, n = bytes_PP > 0, collectives or calls
+    messages = n * ((sent & same).sum(1) + (sent & cross).sum(1))
     return a2a_seconds_of_totals((bytes_PP * same).sum(1), (bytes_PP * same).sum(0), (bytes_PP * cross).sum(1),
                                  (bytes_PP * cross).sum(0), link, calls, multi_node=bool(cross.any()),
-                                 messages_P=messages, inter_messages_P=calls * (sent & cross).sum(1))
+                                 messages_P=messages, inter_messages_P=n * (sent & cross).sum(1))
 
 
 def a2a_seconds_of_totals(sent_intra_P, received_intra_P, sent_inter_P, received_inter_P, link: Link,
@@ -100,13 +102,13 @@ def rooted_seconds(bytes_PP: np.ndarray, link: Link, calls: int = 1, kind: str =
 ROOTED = ("broadcast", "reduce")
 
 
-def collective_seconds(bytes_PP: np.ndarray, link: Link, calls: int, kind: str) -> float:
+def collective_seconds(bytes_PP: np.ndarray, link: Link, calls: int, kind: str, collectives: int = 0) -> float:
     """A collective of any kind: rooted ones (broadcast, reduce) by :func:`rooted_seconds`,
     the others (all-to-all, all-gather, reduce-scatter: every rank sends its blocks to its
-    peers) by :func:`a2a_seconds` on their per-peer bytes."""
+    peers) by :func:`a2a_seconds` on their per-peer bytes (``collectives``: see there)."""
     if kind in ROOTED:
         return rooted_seconds(bytes_PP, link, calls, kind)
-    return a2a_seconds(bytes_PP, link, calls)
+    return a2a_seconds(bytes_PP, link, calls, collectives)
 
 
 def swiglu_flops(rows: float, hidden: int, ffn: int, backward: bool = False) -> float:

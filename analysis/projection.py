@@ -69,7 +69,8 @@ def _kinds(run: pd.DataFrame) -> dict:
 
 
 def _collectives(run: pd.DataFrame) -> pd.DataFrame:
-    """Per (layer, phase, pass): the byte matrix, rows, calls per timed iteration, kind."""
+    """Per (layer, phase, pass): the byte matrix, rows, calls per timed iteration, the collectives its
+    bytes were logged from (`<kind>_calls`, the first rank's; 0: none logged), kind."""
     b = run[run.metric == "bytes"]
     r = run[run.metric == "rows"]
     P = int(run.world_size.iloc[0])
@@ -79,14 +80,19 @@ def _collectives(run: pd.DataFrame) -> pd.DataFrame:
         if not first.empty else pd.Series(dtype=int)
     meta = run[run.metric == "meta_bytes"]
     kinds = _kinds(run)
+    logged = run[run.metric.str.endswith("_calls") & (run.unit == "calls") & (run["rank"] >= 0)]
+    first_rank = logged[logged["rank"] == logged["rank"].min()] if not logged.empty else logged
+    collectives = first_rank.groupby(["layer", "phase", "pass"]).value.sum()
     out = []
     for (layer, phase, direction), g in b.groupby(["layer", "phase", "pass"]):
         rows = r[(r.layer == layer) & (r.phase == phase) & (r["pass"] == direction)].value.sum()
         m = meta[(meta.layer == layer) & (meta.phase == phase) & (meta["pass"] == direction)]
         out.append({"layer": layer, "phase": phase, "direction": direction, "bytes_PP": _peer_matrix(g, P),
                     "meta_PP": _peer_matrix(m, P), "rows": rows, "calls": int(calls.get((layer, phase, direction), 1)),
+                    "collectives": int(collectives.get((layer, phase, direction), 0)),
                     "kind": kinds.get((layer, phase, direction), "all_to_all")})
-    return pd.DataFrame(out, columns=["layer", "phase", "direction", "bytes_PP", "meta_PP", "rows", "calls", "kind"])
+    return pd.DataFrame(out, columns=["layer", "phase", "direction", "bytes_PP", "meta_PP", "rows", "calls",
+                                      "collectives", "kind"])
 
 
 # a simulated world without peer rows (task.peer_rows=false): each rank's bytes by node
@@ -274,7 +280,7 @@ def project_run(run: pd.DataFrame, profile: Profile, target: Optional[Target] = 
     coll = _collectives(run) if peer else _collective_totals(run)
     out, a2a = [], {}
     for c in coll.itertuples():
-        ms = (collective_seconds(_resized(c, run, profile, target), link, c.calls, c.kind) if peer
+        ms = (collective_seconds(_resized(c, run, profile, target), link, c.calls, c.kind, c.collectives) if peer
               else _priced_totals(c, run, link, target, profile)) * 1e3
         a2a.setdefault(c.layer, []).append((c.phase, c.direction, c.calls, ms))
         out.append({"layer": c.layer, "component": f"a2a:{c.phase}", "pass": c.direction, "ms": ms})
