@@ -92,12 +92,12 @@ class Exchange:
     """One point's exchange per rank ([P] each): rows sent and received within the node and
     across nodes, messages in all and across nodes."""
 
-    sent_intra: np.ndarray
-    received_intra: np.ndarray
-    sent_inter: np.ndarray
-    received_inter: np.ndarray
-    messages: np.ndarray
-    inter_messages: np.ndarray
+    sent_intra_P: np.ndarray
+    received_intra_P: np.ndarray
+    sent_inter_P: np.ndarray
+    received_inter_P: np.ndarray
+    messages_P: np.ndarray
+    inter_messages_P: np.ndarray
 
 
 def exchange_of(run: pd.DataFrame, phase: str, valid: bool, counts: bool) -> Exchange:
@@ -174,8 +174,8 @@ def priced_seconds(x: Exchange, row_bytes: int, profile: str, params: dict, over
     profile with ``params`` and the kernel's ``overlap``."""
     link = dataclasses.replace(link_from_fields(fitted_fields(profile, params)), overlap=overlap)
     b = float(row_bytes)
-    return a2a_seconds_of_totals(x.sent_intra * b, x.received_intra * b, x.sent_inter * b, x.received_inter * b, link,
-                                 1, multi_node=multi_node, messages_P=x.messages, inter_messages_P=x.inter_messages)
+    return a2a_seconds_of_totals(x.sent_intra_P * b, x.received_intra_P * b, x.sent_inter_P * b, x.received_inter_P * b, link,
+                                 1, multi_node=multi_node, messages_P=x.messages_P, inter_messages_P=x.inter_messages_P)
 
 
 @dataclasses.dataclass
@@ -184,49 +184,49 @@ class Stack:
     fixed numbers, for pricing all points at once under trial parameters (the same
     arithmetic as :func:`priced_seconds`; ``tests/test_published.py`` holds them equal)."""
 
-    intra_bytes: np.ndarray     # [N, P] max(sent, received) within the node
-    inter_bytes: np.ndarray
-    intra_messages: np.ndarray
-    inter_messages: np.ndarray
-    intra_Bps: np.ndarray       # [N] datasheet bandwidths (efficiency 1)
-    inter_Bps: np.ndarray
-    intra_t: list               # [N] transport names
-    inter_t: list
-    multi_node: np.ndarray      # [N] bool
-    overlap: np.ndarray         # [N] bool
+    intra_bytes_NP: np.ndarray     # [N, P] max(sent, received) within the node
+    inter_bytes_NP: np.ndarray
+    intra_messages_NP: np.ndarray
+    inter_messages_NP: np.ndarray
+    intra_Bps_N: np.ndarray       # [N] datasheet bandwidths (efficiency 1)
+    inter_Bps_N: np.ndarray
+    intra_t_N: list               # [N] transport names
+    inter_t_N: list
+    multi_node_N: np.ndarray      # [N] bool
+    overlap_N: np.ndarray         # [N] bool
 
 
 def stack(points: pd.DataFrame, exchanges: list) -> Stack:
     """A :class:`Stack` of ``points`` (rows of the published table with ``profile``,
     ``row_bytes``, ``overlap``, ``nodes``) and their :class:`Exchange`."""
-    P = max(len(x.messages) for x in exchanges)
+    P = max(len(x.messages_P) for x in exchanges)
     pad = lambda v: np.pad(np.asarray(v, float), (0, P - len(v)))
     rows = list(points.itertuples())
     nominal = [link_from_fields({**profile_fields(p.profile), "link_efficiency": 1.0, "intra_node_efficiency": 0.0,
                                  "inter_node_efficiency": 0.0}) for p in rows]
     return Stack(
-        intra_bytes=np.stack([pad(np.maximum(x.sent_intra, x.received_intra) * p.row_bytes)
+        intra_bytes_NP=np.stack([pad(np.maximum(x.sent_intra_P, x.received_intra_P) * p.row_bytes)
                               for x, p in zip(exchanges, rows)]),
-        inter_bytes=np.stack([pad(np.maximum(x.sent_inter, x.received_inter) * p.row_bytes)
+        inter_bytes_NP=np.stack([pad(np.maximum(x.sent_inter_P, x.received_inter_P) * p.row_bytes)
                               for x, p in zip(exchanges, rows)]),
-        intra_messages=np.stack([pad(x.messages - x.inter_messages) for x in exchanges]),
-        inter_messages=np.stack([pad(x.inter_messages) for x in exchanges]),
-        intra_Bps=np.array([n.intra_Bps for n in nominal]), inter_Bps=np.array([n.inter_Bps for n in nominal]),
-        intra_t=[transports_of(p.profile)[0] for p in rows], inter_t=[transports_of(p.profile)[1] for p in rows],
-        multi_node=np.array([p.nodes > 1 for p in rows]), overlap=np.array([bool(p.overlap) for p in rows]))
+        intra_messages_NP=np.stack([pad(x.messages_P - x.inter_messages_P) for x in exchanges]),
+        inter_messages_NP=np.stack([pad(x.inter_messages_P) for x in exchanges]),
+        intra_Bps_N=np.array([n.intra_Bps for n in nominal]), inter_Bps_N=np.array([n.inter_Bps for n in nominal]),
+        intra_t_N=[transports_of(p.profile)[0] for p in rows], inter_t_N=[transports_of(p.profile)[1] for p in rows],
+        multi_node_N=np.array([p.nodes > 1 for p in rows]), overlap_N=np.array([bool(p.overlap) for p in rows]))
 
 
 def stack_seconds(s: Stack, params: dict) -> np.ndarray:
     """[N] projected seconds of every stacked point under ``params``."""
     get = lambda names, key: np.array([params[t][key] for t in names])
-    t_intra = s.intra_bytes / (s.intra_Bps * get(s.intra_t, "efficiency"))[:, None] \
-        + s.intra_messages * get(s.intra_t, "message_us")[:, None] * 1e-6
-    inter_known = [t if t in params else s.intra_t[0] for t in s.inter_t]      # unused where single-node
-    t_inter = np.where(s.multi_node[:, None],
-                       s.inter_bytes / (s.inter_Bps * get(inter_known, "efficiency"))[:, None]
-                       + s.inter_messages * get(inter_known, "message_us")[:, None] * 1e-6, 0.0)
-    t_rank = np.where(s.overlap[:, None], np.maximum(t_intra, t_inter), t_intra + t_inter)
-    latency = np.where(s.multi_node, get(inter_known, "latency_us"), get(s.intra_t, "latency_us")) * 1e-6
+    t_intra = s.intra_bytes_NP / (s.intra_Bps_N * get(s.intra_t_N, "efficiency"))[:, None] \
+        + s.intra_messages_NP * get(s.intra_t_N, "message_us")[:, None] * 1e-6
+    inter_known = [t if t in params else s.intra_t_N[0] for t in s.inter_t_N]      # unused where single-node
+    t_inter = np.where(s.multi_node_N[:, None],
+                       s.inter_bytes_NP / (s.inter_Bps_N * get(inter_known, "efficiency"))[:, None]
+                       + s.inter_messages_NP * get(inter_known, "message_us")[:, None] * 1e-6, 0.0)
+    t_rank = np.where(s.overlap_N[:, None], np.maximum(t_intra, t_inter), t_intra + t_inter)
+    latency = np.where(s.multi_node_N, get(inter_known, "latency_us"), get(s.intra_t_N, "latency_us")) * 1e-6
     return latency + t_rank.max(1)
 
 
@@ -299,7 +299,7 @@ def fit(s: Stack, points: pd.DataFrame, restarts: int = 6) -> dict:
     """The transports' parameters minimising the sum of :func:`errors` over the stacked
     ``points`` (Nelder-Mead from :data:`START`, restarted from its result until the sum
     stops falling). Only the transports the points use are fitted."""
-    names = sorted(set(s.intra_t) | {t for t, multi in zip(s.inter_t, s.multi_node) if multi})
+    names = sorted(set(s.intra_t_N) | {t for t, multi in zip(s.inter_t_N, s.multi_node_N) if multi})
     cost = lambda z: float(errors(stack_seconds(s, _unpack(z, names)), points).sum())
     z = _pack({t: START for t in names}, names)
     best = cost(z)
@@ -315,14 +315,14 @@ def fit(s: Stack, points: pd.DataFrame, restarts: int = 6) -> dict:
 def subset(s: Stack, mask: np.ndarray) -> Stack:
     """The stacked points where ``mask`` holds."""
     idx = np.flatnonzero(mask)
-    return Stack(s.intra_bytes[idx], s.inter_bytes[idx], s.intra_messages[idx], s.inter_messages[idx],
-                 s.intra_Bps[idx], s.inter_Bps[idx], [s.intra_t[i] for i in idx], [s.inter_t[i] for i in idx],
-                 s.multi_node[idx], s.overlap[idx])
+    return Stack(s.intra_bytes_NP[idx], s.inter_bytes_NP[idx], s.intra_messages_NP[idx], s.inter_messages_NP[idx],
+                 s.intra_Bps_N[idx], s.inter_Bps_N[idx], [s.intra_t_N[i] for i in idx], [s.inter_t_N[i] for i in idx],
+                 s.multi_node_N[idx], s.overlap_N[idx])
 
 
 def point_transports(s: Stack, i: int) -> set:
     """The transports point i's price reads."""
-    return {s.intra_t[i]} | ({s.inter_t[i]} if s.multi_node[i] else set())
+    return {s.intra_t_N[i]} | ({s.inter_t_N[i]} if s.multi_node_N[i] else set())
 
 
 def leave_one_source_out(s: Stack, points: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
@@ -349,7 +349,7 @@ def leave_one_source_out(s: Stack, points: pd.DataFrame) -> tuple[pd.DataFrame, 
         out.iloc[i, out.columns.get_loc("fold")] = "all"
     for fold, params in folds.items():
         at = (out.fold == fold).to_numpy()
-        full = {t: params.get(t, START) for t in set(s.intra_t) | set(s.inter_t)}
+        full = {t: params.get(t, START) for t in set(s.intra_t_N) | set(s.inter_t_N)}
         if at.any():
             out.loc[at, "projected_s"] = stack_seconds(subset(s, at), full)
     out["error"] = errors(out.projected_s.to_numpy(float), out)
