@@ -193,3 +193,34 @@ def test_the_price_meets_the_published_measurements_on_every_validated_source(tm
     # the targets
     assert (validated.median_error <= pc.MEDIAN_TARGET).all(), validated.to_string()
     assert pc.overall(table)["p90_error"] <= pc.P90_TARGET
+
+
+def test_the_sweep_simulates_every_published_points_world():
+    """experiment=published_check's grids hold the world of every published point (shapes,
+    declared system, EP size, node layout), so its report finds them all."""
+    import itertools
+
+    from omegaconf import OmegaConf
+
+    from analysis.transport_fit import point_key, run_key
+    params = OmegaConf.to_container(OmegaConf.load(published.CONF_DIR / "experiment" / "published_check.yaml"))
+    params = params["hydra"]["sweeper"]["params"]
+    shared = {k: str(v) for k, v in params.items() if "/" not in k}
+    grids: dict = {}
+    for key, value in params.items():
+        if "/" in key:
+            grid, _, name = key.partition("/")
+            grids.setdefault(grid, {})[name] = str(value)
+    model = OmegaConf.load(published.CONF_DIR / "model" / f"{shared['model']}.yaml")
+    worlds = set()
+    for grid in grids.values():
+        axes = {**shared, **grid}
+        names = list(axes)
+        for values in itertools.product(*(axes[n].split(",") for n in names)):
+            c = dict(zip(names, values))
+            options = {k[len("system."):]: v for k, v in c.items() if k.startswith("system.")}
+            worlds.add(run_key(c["system"], options, int(c["cluster.world_size"]),
+                               int(c.get("cluster.devices_per_node", 0)), int(c["task.tokens_per_rank"]),
+                               int(c["model.num_experts"]), model.top_k, model.hidden_size))
+    points = published.load_points()
+    assert {point_key(p) for p in points.itertuples()} <= worlds
