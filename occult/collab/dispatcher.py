@@ -39,7 +39,7 @@ from ..ep.static import StaticConfig, runs_static
 from ..ep.system import PayloadConfig, ReplicaConfig
 from ..ep.accounting import span
 from ..ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
-from ..kernels import triton_available, use_triton
+from ..kernels import TRITON_DTYPES, triton_available, triton_takes, use_triton
 from .brim import Brim0, Brim1, build_brim0, build_brim1, local_expert_weights, uses_of
 from .experts import GatheredRows, merged_swiglu, occult_experts
 from .static import StaticSFD
@@ -72,7 +72,8 @@ class OccultOptions(StaticConfig, PayloadConfig):
     """Occult's own options (its kernels, payloads and dispatch mode); the variants of
     :mod:`occult.collab.variants`, which run on one copy per expert, take these alone."""
 
-    kernels: str = "auto"    # auto (Triton on CUDA when installed, else by size) | torch | epd | triton
+    # auto (Triton on CUDA when installed, for all but float64; else by size) | torch | epd | triton
+    kernels: str = "auto"
     accepts_dropped_pairs: ClassVar[bool] = True
 
     def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
@@ -100,8 +101,9 @@ class OccultDispatcher(StaticSFD, SplitDispatcher):
     a time: its rows gathered from the received buffer, its outputs added into the merged
     rows), ``epd`` (PyTorch, EPD materialised, then the merge: the token states one by
     one), ``triton`` (the gather-fused expert matmul and the atomic weighted merge; CUDA,
-    or the Triton interpreter), or ``auto`` (triton on CUDA tensors when triton imports,
-    else torch for a large EPD, epd for a small one: :data:`FUSE_FROM_BYTES`).
+    or the Triton interpreter; float16, bfloat16 or float32 rows), or ``auto`` (triton on
+    CUDA tensors of those dtypes when triton imports, else torch for a large EPD, epd for a
+    small one: :data:`FUSE_FROM_BYTES`).
     ``dispatch_mode=static``: one slot per token per destination device in fixed buffers, no
     counts exchange, no host read (:mod:`occult.collab.static`)."""
 
@@ -118,8 +120,12 @@ class OccultDispatcher(StaticSFD, SplitDispatcher):
         if kernels == "triton" and not use_triton(x_TD):
             raise ValueError("system.kernels=triton runs on CUDA tensors only (or under the Triton "
                              "interpreter, TRITON_INTERPRET=1); use kernels=auto, torch or epd on a CPU")
+        if kernels == "triton" and not triton_takes(x_TD.dtype):
+            raise ValueError(f"system.kernels=triton: the Triton kernels take {', '.join(TRITON_DTYPES)} "
+                             f"rows, not {str(x_TD.dtype).removeprefix('torch.')} (tl.dot has none); use "
+                             f"kernels=auto (the PyTorch path for such rows), torch or epd")
         if kernels == "auto":
-            if use_triton(x_TD):
+            if use_triton(x_TD) and triton_takes(x_TD.dtype):
                 return "triton"
             return "torch" if epd_rows * x_TD.shape[1] * x_TD.element_size() > FUSE_FROM_BYTES else "epd"
         return kernels

@@ -45,6 +45,13 @@ class ProfileConf:
     memory_GB: float = 0.0              # device memory capacity (0: not stated; the advisor's fit check)
     dtype: str = "bfloat16"             # element type of projected activations (bfloat16, float32)
     link_efficiency: float = 1.0        # achieved / nominal bandwidth (an assumption unless measured)
+    intra_node_efficiency: float = 0.0  # achieved / nominal NVLink bandwidth (0: link_efficiency)
+    inter_node_efficiency: float = 0.0  # achieved / nominal NIC bandwidth (0: link_efficiency)
+    intra_node_message_us: float = 0.0  # per message (a peer sent a non-empty block) within a node
+    inter_node_message_us: float = 0.0  # per message across nodes
+    intra_node_transport: str = ""      # the links' names, keys of fitted parameters (nvlink4, cx7_ib, efa)
+    inter_node_transport: str = ""
+    overlap_links: bool = True          # a rank's NVLink and NIC bytes move concurrently (false: in series)
     compute_efficiency: float = 1.0     # achieved / peak matmul throughput (idem)
     source: str = ""                    # where the numbers come from
     calibration: List[Any] = field(default_factory=list)   # measured points per world size (CPU)
@@ -62,6 +69,9 @@ class Link:
     flops: float = float("inf")        # achieved matmul FLOP/s per device
     expert_call_s: float = 0.0         # overhead per local expert per pass (measured on the CPU)
     memory_Bps: float = float("inf")   # device memory bandwidth (inf: experts are compute-bound)
+    intra_message_s: float = 0.0       # per message (peer with a non-empty block) within a node
+    inter_message_s: float = 0.0       # per message across nodes
+    overlap: bool = True               # NVLink and NIC concurrently (max of their times), else in series (sum)
 
     @property
     def slowest_Bps(self) -> float:
@@ -118,18 +128,24 @@ class Profile:
 
 
 def link_from_fields(c: dict) -> Link:
-    """A GPU profile's fixed links: nominal numbers times the profile's efficiencies."""
+    """A GPU profile's fixed links: nominal numbers times the profile's efficiencies (NVLink's
+    and the NIC's own where the profile gives them, else ``link_efficiency``)."""
     eff, ceff = float(c.get("link_efficiency", 1.0)), float(c.get("compute_efficiency", 1.0))
+    intra_eff = float(c.get("intra_node_efficiency", 0.0) or 0.0) or eff
+    inter_eff = float(c.get("inter_node_efficiency", 0.0) or 0.0) or eff
     inter = float(c.get("inter_node_GBps", 0.0)) * int(c.get("nics_per_node", 0) or 0)
     per_node = int(c.get("devices_per_node", 0) or 0)
     inter_share = inter / per_node if per_node and inter else 0.0
     return Link(intra_latency_s=float(c.get("intra_node_latency_us", 0.0)) * 1e-6,
-                intra_Bps=float(c["intra_node_GBps"]) * 1e9 * eff,
+                intra_Bps=float(c["intra_node_GBps"]) * 1e9 * intra_eff,
                 inter_latency_s=float(c.get("inter_node_latency_us", 0.0)) * 1e-6,
-                inter_Bps=inter_share * 1e9 * eff if inter_share else float("inf"),
+                inter_Bps=inter_share * 1e9 * inter_eff if inter_share else float("inf"),
                 devices_per_node=per_node,
                 flops=float(c.get("device_TFLOPs", 0.0)) * 1e12 * ceff or float("inf"),
-                memory_Bps=float(c.get("memory_GBps", 0.0)) * 1e9 or float("inf"))
+                memory_Bps=float(c.get("memory_GBps", 0.0)) * 1e9 or float("inf"),
+                intra_message_s=float(c.get("intra_node_message_us", 0.0) or 0.0) * 1e-6,
+                inter_message_s=float(c.get("inter_node_message_us", 0.0) or 0.0) * 1e-6,
+                overlap=bool(c.get("overlap_links", True)))
 
 
 def calibration_links(points: list) -> dict:

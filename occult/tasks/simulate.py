@@ -44,6 +44,7 @@ Shapes: N source tokens, W = T P world tokens, T tokens of a rank, K top-k, E ex
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ from ..ep.accounting import token_devices
 from ..ep.comm import EPGroup
 from ..ep.layer import transformed_routing
 from ..ep.measure import stopwatch
-from ..ep.plan import RowShape, plan_world, rank_events
+from ..ep.plan import RowShape, WorldCollective, plan_world, rank_events
 from ..ep.router import gate_weights
 from ..errors import ConfigError
 from ..memory import peak_memory
@@ -377,12 +378,14 @@ NODE_METRICS = (("received_rows", "rows"), ("intra_node_bytes", "bytes"), ("inte
                 ("messages", "messages"), ("inter_node_messages", "messages"))
 
 
-def node_rows(world: list, world_size: int, devices_per_node: int, layer: int) -> list:
+def node_rows(world: list, world_size: int, devices_per_node: int, layer: int, prefix: str = "") -> list:
     """Per rank, phase and pass (:data:`NODE_METRICS`): rows it receives (its own included),
     bytes it sends to and receives from the other ranks of its node and the other nodes,
     and the messages it sends (peers other than itself with a non-empty block), in all and
     across nodes: what the cost model prices a collective by when the world's peer pairs
-    are too many to write (``task.peer_rows=false``)."""
+    are too many to write (``task.peer_rows=false``); and per phase and pass (rank -1) the
+    bytes of one of its rows (``row_bytes``, metadata included). ``prefix``: before every
+    metric's name (``valid_``: a static buffer's valid rows, :func:`valid_world`)."""
     P = world_size
     node_P = torch.arange(P, device="cpu") // (devices_per_node or P)
     same_PP = node_P.unsqueeze(1) == node_P.unsqueeze(0)
@@ -400,9 +403,30 @@ def node_rows(world: list, world_size: int, devices_per_node: int, layer: int) -
     out = []
     for (phase, direction), values in totals.items():
         for (name, unit), v_P in zip(NODE_METRICS, values):
-            out += [row(name, v, unit, layer=layer, rank=r, phase=phase, direction=direction)
+            out += [row(prefix + name, v, unit, layer=layer, rank=r, phase=phase, direction=direction)
                     for r, v in enumerate(v_P.tolist())]
+    sizes = {(c.phase, c.direction): c.row_bytes for c in world}
+    out += [row(prefix + "row_bytes", b, "bytes", layer=layer, rank=-1, phase=phase, direction=direction)
+            for (phase, direction), b in sizes.items()]
     return out
+
+
+def dynamic_twin(config):
+    """A static-buffer system's config in the dynamic mode (the same system sending only its
+    valid rows, split sizes exchanged); None for a system without fixed buffers."""
+    is_static = getattr(config, "is_static", None)
+    return dataclasses.replace(config, dispatch_mode="dynamic") if is_static and is_static() else None
+
+
+def valid_world(world: list, twin_world: list) -> list:
+    """A static system's world collectives carrying only their valid rows: each fixed-buffer
+    collective (``dispatch``, ``combine``) with the rows its dynamic twin's same phase puts
+    on every pair (a fixed buffer's valid rows are the rows the dynamic mode sends:
+    ``tests/test_published.py`` holds them equal to the static path's own marks), at the
+    static row's bytes. What a one-sided transport writes into the padded receive buffer."""
+    twin = {(c.phase, c.direction): c for c in twin_world}
+    return [WorldCollective(c.phase, c.kind, c.direction, twin[(c.phase, c.direction)].rows_PP, c.row_bytes,
+                            c.meta_row_bytes) for c in world if (c.phase, c.direction) in twin]
 
 
 def layer_rows(cfg, world: list, routing: list, placement, layer: int) -> list:
@@ -424,10 +448,27 @@ def layer_rows(cfg, world: list, routing: list, placement, layer: int) -> list:
         out += token_rows_of(stats.rows(start, start + ids[rank].shape[0]), layer, rank)
         start += ids[rank].shape[0]
     out += token_rows_of(stats, layer, -1)
+    out += node_ct_rows(ids, placement.to("cpu"), home, c.devices_per_node or P, layer)
     tokens = sum(x.shape[0] for x in ids)
     for w in world:
         if w.phase in ("dispatch", "combine"):
             out += rows_per_token_row(int(w.rows_PP.sum()), tokens, layer, w.phase, w.direction)
+    return out
+
+
+def node_ct_rows(ids: list, placement, home: list, devices_per_node: int, layer: int) -> list:
+    """Per rank (and -1: all ranks) ``ct_nodes``: the mean number of distinct nodes a token's
+    experts lie on, its own node included (C_T over nodes: the (token, node) pairs of a
+    node-deduplicated exchange, per token). ``ids[r]``: rank r's [T, K] expert ids."""
+    out, total, count = [], 0.0, 0
+    for rank, (ids_TK, home_T) in enumerate(zip(ids, home)):
+        dev_TK = torch.where(ids_TK >= 0, placement.pair_devices(ids_TK, home_T), -1)
+        node_TK = torch.where(dev_TK >= 0, dev_TK // devices_per_node, -1).sort(dim=1).values
+        n_T = (node_TK[:, :1] >= 0).long().sum(1) + ((node_TK[:, 1:] != node_TK[:, :-1]) & (node_TK[:, 1:] >= 0)).sum(1)
+        total, count = total + float(n_T.sum()), count + n_T.numel()
+        out.append(row("ct_nodes", float(n_T.float().mean()) if n_T.numel() else float("nan"), "nodes/token",
+                       layer=layer, rank=rank))
+    out.append(row("ct_nodes", total / count if count else float("nan"), "nodes/token", layer=layer, rank=-1))
     return out
 
 
@@ -476,4 +517,9 @@ def _simulate(ctx, cfg_dict: dict) -> list:
                  row("planning_added_memory", max(mem.peak - mem.start, 0) if mem.peak >= 0 else -1, "bytes",
                      layer=layer, phase="plan")]
         rows += layer_rows(cfg, world, routing, dispatcher.placement, layer)
+        twin = dynamic_twin(system_config(cfg.system).sized(T))
+        if twin is not None:
+            twin_world = plan_world(twin.build(ep, layer, m.num_experts), routing, shape, training=t.backward,
+                                    backward=t.backward)
+            rows += node_rows(valid_world(world, twin_world), c.world_size, c.devices_per_node, layer, "valid_")
     return rows
