@@ -209,10 +209,11 @@ def headline_samples(name: str, folders: list[Path]) -> dict:
     return {"value": value, "samples": hl.evaluate(name, frames), "kind": kind}
 
 
-def _fmt(v) -> str:
+def _fmt(v, old: str) -> str:
+    """``v`` with one digit more than the hand-copied ``old`` showed."""
     if v is None:
         return "n/a"
-    return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return f"{v:.{(len(old.split('.')[1]) if '.' in old else 0) + 1}f}"
 
 
 def write_index(log: dict) -> Path:
@@ -246,7 +247,9 @@ def write_index(log: dict) -> Path:
               "from git by `analysis.headlines`). New: the value the regenerated report gives; spread: min to max "
               "of the same number over samples (timed samples: the sweep's timed iterations, each evaluated "
               "alone; reruns: the whole command run again into `runs/NAME_r<n>`). Moved: the hand-copied value "
-              "lies outside the spread widened by half a unit of its last digit.", "",
+              "lies outside the spread widened by half a unit of its last digit. Numbers that time nothing (bytes, "
+              "C_T, projections from them) are the same in every timed sample of a sweep: their spread over "
+              "iterations is zero by construction; over reruns it says whether the command reproduces them.", "",
               "| experiment | number | hand-copied (line at " + hl.OLD_COMMIT + ") | new | spread (n, over) | moved |",
               "|---|---|---|---|---|---|"]
     for name in published():
@@ -258,9 +261,9 @@ def write_index(log: dict) -> Path:
             old = hl.old_value(h, old_lines)
             new = e["headlines"]["value"].get(h.name)
             samples = [v for v in e["headlines"]["samples"].get(h.name, []) if v is not None]
-            spread = (f"{_fmt(min(samples))} to {_fmt(max(samples))} ({len(samples)}, "
+            spread = (f"{_fmt(min(samples), old)} to {_fmt(max(samples), old)} ({len(samples)}, "
                       f"{'iterations' if name in hl.TIMED else 'reruns'})") if samples else "none"
-            lines.append(f"| {name} | {h.name} | {old} (:{h.line}) | {_fmt(new)} | {spread} | {hl.moved(old, samples)} |")
+            lines.append(f"| {name} | {h.name} | {old} (:{h.line}) | {_fmt(new, old)} | {spread} | {hl.moved(old, samples)} |")
     path = DOCS / "index.md"
     path.write_text("\n".join(lines) + "\n")
     return path

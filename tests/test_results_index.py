@@ -48,8 +48,8 @@ def test_index_lists_the_log_and_the_headlines(tmp_path, monkeypatch):
     text = results.write_index(log).read_text()
     assert "| [table1_ct_runtime](table1_ct_runtime.md) | `python run.py experiment=table1_ct_runtime` | 1.0 min |" in text
     assert "Still hand copies (banner kept): [fig3_lcc.md](fig3_lcc.md)." in text
-    assert "| table1_ct_runtime | r(C_T, remote bytes per rank) | 0.93 (:6) | 0.5 | 0.4 to 0.6 (3, iterations) | yes |" in text
-    assert "| table1_ct_runtime | r(C_T, all-to-all fwd+bwd) | 0.60 (:7) | 0.5 | 0.4 to 0.6 (3, iterations) | no |" in text
+    assert "| table1_ct_runtime | r(C_T, remote bytes per rank) | 0.93 (:6) | 0.500 | 0.400 to 0.600 (3, iterations) | yes |" in text
+    assert "| table1_ct_runtime | r(C_T, all-to-all fwd+bwd) | 0.60 (:7) | 0.500 | 0.400 to 0.600 (3, iterations) | no |" in text
 
 
 def test_a_dirty_tree_is_refused(monkeypatch, capsys):
