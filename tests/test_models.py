@@ -138,9 +138,13 @@ SCHEDULES = [("naive", {"microbatches": 2}), ("occult", {"microbatches": 2, "gra
 
 
 def schedule_jobs() -> list:
+    """The schedules on the OLMoE proxy, and the shortcut-connected model under system=scmoe
+    with two co-executed micro-batches (each strand carries its own shortcut)."""
     targets = dict(SYSTEMS)
     return [({"model": tiny("olmoe_proxy"), "system": {"name": s, "_target_": targets[s]}, "seed": 1, "task": t}, 2, 8)
-            for s, t in SCHEDULES]
+            for s, t in SCHEDULES] + \
+        [({"model": tiny("scmoe_proxy"), "system": {"name": SCMOE[0], "_target_": SCMOE[1]}, "seed": 1,
+           "task": {"microbatches": 2}}, 2, 8)]
 
 
 def check_schedules(jobs: list, results: list) -> None:
@@ -158,6 +162,32 @@ def check_schedules(jobs: list, results: list) -> None:
     assert end == {"allreduces": 1, "started_in_backward": 0}
     assert 0 < overlap["started_in_backward"] <= overlap["allreduces"]
     assert 0 < lina["started_in_backward"] < lina["allreduces"]      # partitions in the gaps, the rest after
+
+
+@pytest.mark.timeout(400)
+def test_scmoe_microbatches_route_every_layer_as_one_batch(model_world):
+    """The shortcut-connected model under system=scmoe with two co-executed micro-batches
+    (one thread each, both in the same blocks at once) equals the single-device model and
+    routes every MoE layer as the one-batch run: the same expert loads (issue 38: the
+    strands shared one shortcut carrier, so a strand's block read the other's representation)."""
+    P, jobs, per_rank, *_ = model_world
+    keys = [(cfg["model"]["name"], cfg["system"]["name"], cfg.get("task", {}).get("microbatches", 1))
+            for cfg, *_ in jobs]
+    one, two = keys.index(("scmoe_proxy", "scmoe", 1)), keys.index(("scmoe_proxy", "scmoe", 2))
+    E = tiny("scmoe_proxy")["num_experts"]
+
+    def loads(res):
+        layers = sorted({layer for layer, _ in res["routing"]})
+        return {layer: sum(torch.bincount(ids.flatten().cpu(), minlength=E) for li, ids in res["routing"] if li == layer)
+                for layer in layers}
+
+    for rank, results in enumerate(per_rank):
+        bad = {k: v for k, v in results[two]["errors"].items() if not v < 2e-5}
+        assert not bad, (P, rank, bad)
+        a, b = loads(results[one]), loads(results[two])
+        assert a.keys() == b.keys() == set(range(tiny("scmoe_proxy")["num_layers"]))
+        for layer in a:
+            assert torch.equal(a[layer], b[layer]), (P, rank, layer)
 
 
 def _migration(model_world) -> list:
