@@ -60,12 +60,12 @@ def setup(ctx, cfg):
     if cfg.task.check_parity and system_config(cfg.system).expert_parallel:
         first = min(placements) if placements else None
         rows += parity_gate(ctx, cfg, cfg.system, "router", placements.get(first))
-        rows += model_parity_gate(ctx, cfg, cfg.system, placements or None, _runner(ctx, cfg))
+        rows += model_parity_gate(ctx, cfg, cfg.system, placements or None, model_runner(ctx, cfg))
     model = make_rank_model(ctx, full, cfg, placements or None, tokens_per_rank=call_tokens(cfg))
     return model.eval(), tok, rows
 
 
-def _runner(ctx, cfg):
+def model_runner(ctx, cfg):
     """What runs the rank model in this task, beyond the model itself (sequence migration's
     wrapper, :func:`run_workload`), as a function of the rank model; None for the model."""
     if not cfg.task.get("migration"):
@@ -299,7 +299,7 @@ def run_workload(ctx, cfg_dict: dict, workload: str) -> list:
     iterations of ``workload``, then the last iteration's collectives and routing."""
     cfg = OmegaConf.create(cfg_dict)
     model, tok, rows = setup(ctx, cfg)
-    runner = _runner(ctx, cfg)
+    runner = model_runner(ctx, cfg)
     if runner is not None:
         model = runner(model)
     work = WORKLOADS[workload](ctx, cfg, tok, model)
