@@ -87,6 +87,8 @@ def prepare(cfg_dict: dict) -> dict:
         try:
             config.check(num_experts=m["num_experts"], top_k=m["top_k"], world_size=P)
             config.check_task(task.name)
+            if task.whole_model:
+                config.check_task(task.workload)       # the task whose iterations it runs
         except ValueError as exc:
             raise ConfigError(f"task.compare[{i}]: {exc}") from exc
         systems.append(system)
