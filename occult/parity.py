@@ -223,14 +223,14 @@ def lm_loss(logits_BSV: torch.Tensor, ids_BS: torch.Tensor) -> torch.Tensor:
 
 def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_size: int = 256,
                 placements: Optional[dict] = None, system=None, wrap: Optional[Callable] = None,
-                forward_tolerance: Optional[float] = None) -> dict:
+                forward_tolerance: Optional[float] = None, backward: bool = True) -> dict:
     """An expert-parallel model against the single-device model on the concatenation of
     all ranks' sequences: logits, loss, and the gradients of every weight (replicated
     weights after data-parallel averaging; experts against the reference's slice, a copied
     expert's after the sum over its copies).
 
-    ``cfg_dict`` holds ``model`` (in its ``dtype``; float64 runs transformers' experts
-    eagerly, as their grouped matmul takes no float64), ``system`` (or the argument
+    ``cfg_dict`` holds ``model`` (in its ``dtype``; float64 runs transformers' experts as
+    batched matmuls, as their grouped matmul takes no float64), ``system`` (or the argument
     ``system``: a system config) and ``seed`` (and optionally ``task``: ``microbatches``
     co-executed, ``grad_sync``'s schedule); weights are random (seeded); ``placements``:
     ``{layer: placement}`` overriding the system's (e.g. EPLB's slots); ``wrap``: the rank
@@ -238,7 +238,8 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     e.g. sequence migration's), compared by the rank model's weights. ``forward_tolerance``:
     when some rank's logits or loss are off by more than it, the check ends before the
     backward (whose graph a wrong forward may have tangled), returning those two errors
-    and ``backward`` False.
+    and ``backward`` False; ``backward=False``: the forward alone, without autograd (an
+    inference run's check), the same two errors.
     """
     import copy
 
@@ -259,19 +260,21 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
 
     ref = base_model(cfg, vocab_size, device=ctx.device)
     if cfg.model.get("dtype") == "float64":
-        ref.set_experts_implementation("eager")
+        ref.set_experts_implementation("batched_mm")
     model = make_rank_model(ctx, copy.deepcopy(ref), cfg, placements, system=system,
                             tokens_per_rank=batch_per_rank * seq_len)
     runs = wrap(model) if wrap is not None else model
-    ref_logits = ref(input_ids=ids_all).logits
-    ref_loss = lm_loss(ref_logits, ids_all)
-    ref_loss.backward()
+    with torch.set_grad_enabled(backward):
+        ref_logits = ref(input_ids=ids_all).logits
+        ref_loss = lm_loss(ref_logits, ids_all)
+    if backward:
+        ref_loss.backward()
     rec = Recorder(rank=rank)
     task = cfg_dict.get("task", {})          # the schedules under test: micro-batches, gradient sync
     sync = GradSync(ctx, model, task.get("grad_sync", "end"),
-                    **{k: task[k] for k in ("bucket_bytes", "partition_bytes") if k in task})
+                    **{k: task[k] for k in ("bucket_bytes", "partition_bytes") if k in task}) if backward else None
     ids_m = micro_batches(ids, task.get("microbatches", 1))
-    with recording(rec):
+    with recording(rec), torch.set_grad_enabled(backward):
         outs = forward_micro_batches(runs, ctx.device, [{"input_ids": x} for x in ids_m])
     losses = [lm_loss(out.logits, x) * (x.shape[0] / ids.shape[0]) for out, x in zip(outs, ids_m)]
     logits = torch.cat([o.logits for o in outs])
@@ -288,6 +291,8 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
             dist.all_reduce(worst_forward, op=dist.ReduceOp.MAX, group=ctx.ep.group)
         if not worst_forward.item() <= forward_tolerance:     # every rank stops here together
             return {"errors": errors, "backward": False}
+    if not backward:
+        return {"errors": errors, "backward": False}
     synced = sync.backward(losses)
     ref_params = dict(ref.named_parameters())
     worst = 0.0

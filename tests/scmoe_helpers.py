@@ -86,10 +86,10 @@ def shared_carrier():
 
 def gate_world(ctx, scmoe: dict, olmoe: dict) -> dict:
     """The runs' whole-model gate (:func:`occult.tasks.common.model_parity_gate`): the
-    shortcut-connected model ``scmoe`` on naive with two micro-batches, as it is and with
-    the shared carrier (the layer gate run on that too); the OLMoE model ``olmoe`` with
-    sequence migration (the task's own wrapper). Each entry: the gate's rows, or the
-    AssertionError's message."""
+    shortcut-connected model ``scmoe`` on naive with two micro-batches, training (forward
+    and backward) and prefill (forward), and prefill with the shared carrier (the layer
+    gate run on that too); the OLMoE model ``olmoe`` training with sequence migration (the
+    task's own wrapper). Each entry: the gate's rows, or the AssertionError's message."""
     from occult.tasks.common import model_parity_gate, parity_gate
     from occult.tasks.model import model_runner
 
@@ -102,8 +102,9 @@ def gate_world(ctx, scmoe: dict, olmoe: dict) -> dict:
         except AssertionError as exc:
             return str(exc)
 
-    co_executed = config(scmoe, {"microbatches": 2})
-    out = {"shortcut": gate(co_executed), "migration": gate(config(olmoe, {"migration": True}))}
+    co_executed = config(scmoe, {"name": "prefill", "microbatches": 2})
+    out = {"shortcut": gate(config(scmoe, {"name": "train", "microbatches": 2})), "shortcut_prefill": gate(co_executed),
+           "migration": gate(config(olmoe, {"name": "train", "migration": True}))}
     with shared_carrier():
         out["shared_carrier_layer"] = parity_gate(ctx, co_executed, SCHEDULES["step_by_step"], "router")
         out["shared_carrier"] = gate(co_executed)
