@@ -237,9 +237,9 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     model -> what runs it (a model called with ``input_ids`` whose output has ``logits``,
     e.g. sequence migration's), compared by the rank model's weights. ``forward_tolerance``:
     when some rank's logits or loss are off by more than it, the check ends before the
-    backward (whose graph a wrong forward may have tangled), returning those two errors
-    and ``backward`` False; ``backward=False``: the forward alone, without autograd (an
-    inference run's check), the same two errors.
+    backward (whose graph a wrong forward may have tangled), returning those two errors,
+    ``backward`` False and ``forward_agrees`` False (on every rank); ``backward=False``: the
+    forward alone, without autograd (an inference run's check), the same two errors.
     """
     import copy
 
@@ -285,14 +285,14 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     errors = {"logits": _rel_err(logits.detach(),
                                  ref_logits.detach()[rank * batch_per_rank:(rank + 1) * batch_per_rank]),
               "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())}
+    agrees = True
     if forward_tolerance is not None:
         worst_forward = torch.tensor([max(errors.values())], dtype=torch.float64, device=ctx.device)
         if P > 1:
             dist.all_reduce(worst_forward, op=dist.ReduceOp.MAX, group=ctx.ep.group)
-        if not worst_forward.item() <= forward_tolerance:     # every rank stops here together
-            return {"errors": errors, "backward": False}
-    if not backward:
-        return {"errors": errors, "backward": False}
+        agrees = worst_forward.item() <= forward_tolerance    # the same on every rank
+    if not (agrees and backward):                             # every rank stops here together
+        return {"errors": errors, "backward": False, "forward_agrees": agrees}
     synced = sync.backward(losses)
     ref_params = dict(ref.named_parameters())
     worst = 0.0
@@ -316,7 +316,7 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     sent = {}
     for ev in rec.comm:
         sent[(ev.phase, ev.direction)] = sent.get((ev.phase, ev.direction), 0) + sum(ev.rows_P)
-    return {"errors": errors, "backward": True, "sent_rows": sent, "grad_sync": synced,
+    return {"errors": errors, "backward": True, "forward_agrees": agrees, "sent_rows": sent, "grad_sync": synced,
             "exposed_comm_spans": sum(name == "exposed_comm" for _, name, _, _ in rec.spans),
             "forward_collectives": sum(ev.direction == "forward" for ev in rec.comm),
             "routing": [(layer, ids_TK) for layer, ids_TK, *_ in rec.routing]}
