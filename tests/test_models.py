@@ -181,8 +181,8 @@ def test_scmoe_microbatches_route_every_layer_as_one_batch(model_world):
 
     def loads(res):
         layers = sorted({layer for layer, _ in res["routing"]})
-        return {layer: sum(torch.bincount(ids.flatten().cpu(), minlength=E) for li, ids in res["routing"] if li == layer)
-                for layer in layers}
+        return {layer: sum(torch.bincount(ids.flatten().cpu(), minlength=E)
+                           for li, ids in res["routing"] if li == layer) for layer in layers}
 
     for rank, results in enumerate(per_rank):
         bad = {k: v for k, v in results[two]["errors"].items() if not v < 2e-5}

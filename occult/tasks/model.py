@@ -29,7 +29,8 @@ from ..ep.static import dynamic_calls
 from ..models.grad_sync import GRAD_SYNCS, GradSync
 from ..models.runtime import base_model, forward_micro_batches, make_rank_model, micro_batches
 from ..records import row
-from .common import comm_rows, model_parity_gate, parity_gate, routing_rows, step_span_rows, step_traffic_rows, timing_rows
+from .common import (comm_rows, model_parity_gate, parity_gate, routing_rows, step_span_rows, step_traffic_rows,
+                     timing_rows)
 
 
 def prepare(cfg_dict: dict) -> dict:
