@@ -35,7 +35,7 @@ from ..ep.measure import barrier, iterations, stopwatch
 from ..errors import ConfigError
 from ..memory import saved_activation_bytes
 from ..records import config_hash, row
-from .common import comm_rows, parity_gate, routing_rows
+from .common import comm_rows, model_parity_gate, parity_gate, routing_rows
 from .layer import build_layer, make_inputs, time_iteration
 from .options import task_config
 
@@ -87,6 +87,8 @@ def prepare(cfg_dict: dict) -> dict:
         try:
             config.check(num_experts=m["num_experts"], top_k=m["top_k"], world_size=P)
             config.check_task(task.name)
+            if task.whole_model:
+                config.check_task(task.workload)       # the task whose iterations it runs
         except ValueError as exc:
             raise ConfigError(f"task.compare[{i}]: {exc}") from exc
         systems.append(system)
@@ -210,7 +212,7 @@ def model_rank(ctx, cfg_dict: dict) -> list:
     base = base_model(cfg, m.vocab_size or tok.vocab_size, cfg.get("checkpoint"), device=ctx.device)
     works, recs, rows = [], [], []
     for config in systems:
-        rows.append(parity_gate(ctx, cfg, config, "router")
+        rows.append(parity_gate(ctx, cfg, config, "router") + model_parity_gate(ctx, cfg, config)
                     if t.check_parity and config.expert_parallel else [])
         model = make_rank_model(ctx, copy.deepcopy(base), cfg, system=config, tokens_per_rank=call_tokens(cfg))
         works.append(WORKLOADS[t.workload](ctx, cfg, tok, model))

@@ -3,8 +3,11 @@
 Every rank serves its own sequences (the batch is per rank); under expert
 parallelism the MoE layers exchange tokens, everything else is replicated.
 Before timing, a short parity check compares the system's layer with the
-single-device reference (task.check_parity). Times are kept per rank and per
-sample; over-all-ranks figures (``rank=-1``) use the slowest rank.
+single-device reference (task.check_parity) and, where the run changes what the
+model computes beyond one layer (micro-batches, a shortcut model, migration, an
+overlapped gradient sync), the whole model under that schedule with the
+single-device model. Times are kept per rank and per sample; over-all-ranks
+figures (``rank=-1``) use the slowest rank.
 
 Shapes: B sequences per rank, S sequence length, V vocabulary, N new tokens.
 """
@@ -26,7 +29,8 @@ from ..ep.static import dynamic_calls
 from ..models.grad_sync import GRAD_SYNCS, GradSync
 from ..models.runtime import base_model, forward_micro_batches, make_rank_model, micro_batches
 from ..records import row
-from .common import comm_rows, parity_gate, routing_rows, step_span_rows, step_traffic_rows, timing_rows
+from .common import (comm_rows, model_parity_gate, parity_gate, routing_rows, step_span_rows, step_traffic_rows,
+                     timing_rows)
 
 
 def prepare(cfg_dict: dict) -> dict:
@@ -57,8 +61,18 @@ def setup(ctx, cfg):
     if cfg.task.check_parity and system_config(cfg.system).expert_parallel:
         first = min(placements) if placements else None
         rows += parity_gate(ctx, cfg, cfg.system, "router", placements.get(first))
+        rows += model_parity_gate(ctx, cfg, cfg.system, placements or None, model_runner(ctx, cfg))
     model = make_rank_model(ctx, full, cfg, placements or None, tokens_per_rank=call_tokens(cfg))
     return model.eval(), tok, rows
+
+
+def model_runner(ctx, cfg):
+    """What runs the rank model in this task, beyond the model itself (sequence migration's
+    wrapper, :func:`run_workload`), as a function of the rank model; None for the model."""
+    if not cfg.task.get("migration"):
+        return None
+    from .migration import MigratingModel
+    return lambda model: MigratingModel(ctx, model, _placements(cfg, ctx, model))
 
 
 def call_tokens(cfg) -> int:
@@ -286,9 +300,9 @@ def run_workload(ctx, cfg_dict: dict, workload: str) -> list:
     iterations of ``workload``, then the last iteration's collectives and routing."""
     cfg = OmegaConf.create(cfg_dict)
     model, tok, rows = setup(ctx, cfg)
-    if cfg.task.get("migration"):
-        from .migration import MigratingModel
-        model = MigratingModel(ctx, model, _placements(cfg, ctx, model))
+    runner = model_runner(ctx, cfg)
+    if runner is not None:
+        model = runner(model)
     work = WORKLOADS[workload](ctx, cfg, tok, model)
     if ctx.rank == 0:       # what the report tells co-executed runs by (their spans hold the other strands' turns)
         rows.append(row("microbatches", work.microbatches, "micro-batches"))

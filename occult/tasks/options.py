@@ -91,7 +91,10 @@ class Timed(TaskConf):
 class Gated(TaskConf):
     """The parity gate: before anything is timed, the system against the single-device
     reference on a float64 problem of ``parity_tokens`` tokens per rank, drawn from the run's
-    seed (:func:`occult.tasks.common.parity_gate`)."""
+    seed (:func:`occult.tasks.common.parity_gate`); where a whole-model run changes what the
+    model computes beyond one layer (micro-batches, a shortcut model, migration, an
+    overlapped gradient sync), also the whole model under that schedule, float64, on
+    ``parity_tokens`` tokens per rank (:func:`occult.tasks.common.model_parity_gate`)."""
 
     check_parity: bool = True
     parity_tokens: int = 32
