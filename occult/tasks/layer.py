@@ -126,7 +126,7 @@ def task_placement(ctx, cfg):
         return placements[min(placements)]
     ids_NK = profiling_ids(cfg, ctx.world_size)
     load_E = torch.bincount(ids_NK.flatten(), minlength=cfg.model.num_experts).double()
-    placements, built_by = slot_placements_of(t, {0: ids_NK}, {0: load_E}, ctx)
+    placements, built_by = slot_placements_of(t, {0: ids_NK}, {0: load_E}, ctx, expert_groups(cfg.model))
     if ctx.rank == 0:
         save_slot_placements(Path(cfg.get("out_dir_resolved") or ".") / f"placement_{t.placement}.json", placements,
                              built_by, {"profiling": f"task.routing={t.routing}, seed {cfg.seed + 1}, "
@@ -135,16 +135,24 @@ def task_placement(ctx, cfg):
     return placements[0]
 
 
-def slot_placements_of(t, ids_by_layer: dict, load_by_layer: dict, ctx) -> tuple[dict, dict]:
+def expert_groups(m) -> int:
+    """The model's expert groups (``model.n_group``: its router's group limit; 1 without one):
+    what EPLB packs onto nodes (:func:`occult.placement.eplb.eplb_rebalance`)."""
+    return int(m.get("n_group", 1) or 1)
+
+
+def slot_placements_of(t, ids_by_layer: dict, load_by_layer: dict, ctx, num_groups: int = 1) -> tuple[dict, dict]:
     """``({layer: SlotPlacement}, built_by)`` for ``task.placement`` eplb (EPLB from the loads)
-    or eplb_affinity (EPLB's counts packed with co-activation, ``task.affinity_weight``)."""
+    or eplb_affinity (EPLB's counts packed with co-activation, ``task.affinity_weight``);
+    ``num_groups``: the model's expert groups (:func:`expert_groups`)."""
     if t.placement == "eplb_affinity":
         from ..placement.affinity import affinity_placements, built_by_affinity
         E = next(iter(load_by_layer.values())).numel()
         return (affinity_placements(ids_by_layer, E, t.num_redundant, ctx.world_size, ctx.ep.devices_per_node,
-                                    t.affinity_weight), built_by_affinity(t.affinity_weight))
+                                    t.affinity_weight, num_groups), built_by_affinity(t.affinity_weight))
     from ..placement.eplb import built_by_eplb, eplb_placements
-    return eplb_placements(load_by_layer, t.num_redundant, ctx.world_size, ctx.ep.devices_per_node), built_by_eplb()
+    return (eplb_placements(load_by_layer, t.num_redundant, ctx.world_size, ctx.ep.devices_per_node, num_groups),
+            built_by_eplb())
 
 
 def run_rank(ctx, cfg_dict: dict) -> list:

@@ -77,7 +77,7 @@ def task_placements(ctx, cfg, model, tok) -> dict:
     if t == "contiguous":
         return {}
     from ..placement.eplb import load_slot_placements, save_slot_placements
-    from .layer import slot_placements_of
+    from .layer import expert_groups, slot_placements_of
     if t not in ("eplb", "eplb_affinity"):
         return load_slot_placements(t)[0]
     from ..models.families import family_of
@@ -90,7 +90,7 @@ def task_placements(ctx, cfg, model, tok) -> dict:
     E = cfg.model.num_experts
     ids = {layer: ids_NK for layer, (ids_NK, _, _) in routed.items()}
     loads = {layer: torch.bincount(ids_NK.flatten(), minlength=E).double() for layer, ids_NK in ids.items()}
-    placements, built_by = slot_placements_of(cfg.task, ids, loads, ctx)
+    placements, built_by = slot_placements_of(cfg.task, ids, loads, ctx, expert_groups(cfg.model))
     if ctx.rank == 0:
         save_slot_placements(Path(cfg.get("out_dir_resolved") or ".") / f"placement_{t}.json", placements,
                              built_by, {"profiling": f"the model's routers on {n} tokens of the train split "
