@@ -40,3 +40,30 @@ def test_one_micro_batch_runs_inline_and_a_strands_error_reaches_the_caller():
         raise ValueError("strand 1 failed")
     with pytest.raises(ValueError, match="strand 1 failed"):
         co_execute([strand_body("a", 2, []), bad], "cpu")
+
+
+def _static_layer(E: int = 8, K: int = 2, tokens: int = 3):
+    """A one-rank naive layer with the static dispatch (fixed buffers of 4 tokens), float64."""
+    import torch
+    from occult.ep import EPGroup, MoELayer, system_config
+    from occult.ep.experts import init_expert_weights
+    g = torch.Generator(device="cpu").manual_seed(0)
+    weights = init_expert_weights(E, 16, 8, g, torch.float64)
+    router = torch.randn(E, 16, generator=g, device="cpu", dtype=torch.float64)
+    system = {"name": "naive", "_target_": "baselines.naive.NaiveDispatcher", "dispatch_mode": "static",
+              "max_tokens_per_rank": 4}
+    layer = MoELayer.from_global(router, weights, K, system_config(system).build(EPGroup(), 0, E))
+    return layer, [torch.randn(tokens, 16, generator=g, device="cpu", dtype=torch.float64) for _ in range(2)]
+
+
+def test_a_fixed_buffers_valid_rows_are_logged_under_strands():
+    """Two micro-batches of a static layer co-executed: each fixed-buffer collective keeps its
+    valid rows (at most its wire rows; the rest padding), as it does without strands."""
+    layer, xs = _static_layer()
+    rec = Recorder()
+    co_execute([lambda x=x: layer(x, rec) for x in xs], "cpu")
+    rec.settle()
+    assert len(rec.comm) == 4                       # dispatch and combine of each micro-batch
+    for ev in rec.comm:
+        assert ev.valid_P is not None, ev
+        assert 0 < sum(ev.valid_P) < sum(ev.rows_P), ev     # 3 tokens in buffers of 4: padding travels

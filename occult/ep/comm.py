@@ -130,9 +130,10 @@ def _log(where: Exchange, direction: str, collective: str, rows_P, x: torch.Tens
     strand = current_strand()
     if rec is not None and strand is not None and seconds is None:
         # a co-executed strand: its start and end are marks, read once every strand has ended
+        # (the valid rows of a fixed buffer with them)
         end = mark()
         strand.later(lambda: _log(where, direction, collective, rows_P, x, t0, wait, meta_row_bytes,
-                                  seconds=between(t0, end)))
+                                  seconds=between(t0, end), valid_P=valid_P))
         return
     if rec is not None:
         seconds = clock() - t0 if seconds is None else seconds
