@@ -67,3 +67,27 @@ def test_a_fixed_buffers_valid_rows_are_logged_under_strands():
     for ev in rec.comm:
         assert ev.valid_P is not None, ev
         assert 0 < sum(ev.valid_P) < sum(ev.rows_P), ev     # 3 tokens in buffers of 4: padding travels
+
+
+def test_a_library_collective_that_cannot_yield_reports_its_whole_time_as_exposed():
+    """A collective run inside a library (Tutel's, DeepSpeed's: observed, occult.ep.observe)
+    keeps the turn while it runs: under strands its exposed_comm is its whole time, one span
+    per collective; outside strands none (a plain run's collectives are all exposed)."""
+    import time
+    from occult.ep import EPGroup
+    from occult.ep.observe import CallTrace
+
+    def library_call(rec):
+        def run():
+            trace = CallTrace(3, rec, EPGroup(), rows_P=[4], row_bytes=8)
+            trace.start("dispatch", "forward")
+            time.sleep(0.01)                           # the library's blocking exchange
+            trace.stop("dispatch", "forward")
+        return run
+    rec = Recorder()
+    co_execute([library_call(rec), library_call(rec)], "cpu")
+    exposed = sorted(s for layer, name, _, s in rec.spans if name == "exposed_comm" and layer == 3)
+    assert exposed == sorted(ev.seconds for ev in rec.comm) and len(exposed) == 2 and min(exposed) >= 0.01
+    alone = Recorder()
+    library_call(alone)()
+    assert len(alone.comm) == 1 and not alone.spans
