@@ -123,7 +123,7 @@ def observed_all_reduces(fast_dispatch, trace: CallTrace):
 
     def observed(input, group=None, op=torch.distributed.ReduceOp.SUM, inplace=False):
         wait = barrier(trace.ep) if rec.sync_collectives else 0.0
-        t0 = observed_start()
+        t0 = observed_start(rec)
         out = inner(input, group=group, op=op, inplace=inplace)
         log_observed(rec, trace.layer, "counts", "forward", [1] * trace.ep.world_size,
                      input.numel() * input.element_size(), t0, wait)

@@ -304,3 +304,17 @@ def test_placement_load_plans_every_arm_and_its_rows_are_the_plans():
             assert recv == torch.bincount(pl.device_S[ruled.pair_slots(ids, home_T)].flatten(), minlength=4).tolist()
         assert value["recv_max_over_mean"] == pytest.approx(max(recv) / (sum(recv) / 4))
         assert value["expert_slots"] == 18
+
+
+def test_the_device_replica_rules_read_the_placements_tables_without_a_host_sync():
+    """round_robin and local_first (the rules a static dispatch takes) choose their copies
+    from the slot placement's tables, computed when it was built: no host read and no shape
+    that depends on the data (occult.ep.host_sync), the same choice as before."""
+    from occult.ep.host_sync import no_host_sync
+    from occult.ep.replica_rules import DEVICE_POLICIES, choose_slots
+    pl, ids, home_T = eplb_world(T=16)
+    for policy in DEVICE_POLICIES:
+        want = choose_slots(pl, ids, home_T, policy)
+        with no_host_sync("a replica rule"):
+            got = choose_slots(pl, ids, home_T, policy)
+        assert torch.equal(got, want) and bool((pl.expert_S[got] == ids).all()), policy

@@ -20,13 +20,13 @@ from typing import Callable, Optional
 import torch
 
 from .accounting import Recorder
-from .measure import barrier, between, clock, mark
+from .measure import barrier, between, mark
 from .strands import current_strand
 
 
-def observed_start() -> object:
-    """The start of an observed collective: the clock, or a mark inside a strand."""
-    return mark() if current_strand() is not None else clock()
+def observed_start(rec: Recorder) -> object:
+    """The start of an observed collective: ``rec``'s (:meth:`Recorder.now`), or a mark inside a strand."""
+    return mark() if current_strand() is not None else rec.now()
 
 
 def log_observed(rec: Recorder, layer: int, phase: str, direction: str, rows_P, row_bytes: int, t0,
@@ -37,7 +37,7 @@ def log_observed(rec: Recorder, layer: int, phase: str, direction: str, rows_P, 
     strand = current_strand()
     if strand is None:
         rec.log_collective(layer=layer, phase=phase, direction=direction, rows_P=rows_P, row_bytes=row_bytes,
-                           seconds=clock() - t0, wait_seconds=wait)
+                           seconds=rec.since(t0), wait_seconds=wait)
         return
     end = mark()
 
@@ -70,7 +70,7 @@ class CallTrace:
         if rec is None:
             return
         wait = barrier(self.ep) if rec.sync_collectives else 0.0
-        self.started[(phase, direction)] = (observed_start(), wait)
+        self.started[(phase, direction)] = (observed_start(rec), wait)
 
     def stop(self, phase: str, direction: str) -> None:
         """Just after it: logs the exchange's rows per peer and its time."""

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from ..ep import GroupedExperts, MoELayer, Recorder, TopKRouter, system_config
 from ..ep.measure import barrier, clock, iterations
+from ..ep.static import times_by_marks
 from ..models.families import gate_rule
 from ..records import row
 from ..synthetic import expert_popularity, sample_topk
@@ -169,7 +170,7 @@ def run_rank(ctx, cfg_dict: dict) -> list:
         from .calibrate import calibration_rows
         rows += calibration_rows(ctx)
     x_TD, ids_TK, grad_TD = make_inputs(ctx, cfg)
-    rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives)
+    rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives, marks=times_by_marks(layer.dispatcher.config))
     for sample in iterations(ctx.ep, t.warmup, t.iters):
         sample_rows = time_iteration(ctx, layer, x_TD, ids_TK, grad_TD, rec, sample, t.backward)
         if sample >= 0:

@@ -22,7 +22,7 @@ from ..data.tokenizer import get_tokenizer
 from ..ep import Recorder, system_config
 from ..ep.accounting import recording
 from ..ep.measure import clock, iterations, slowest
-from ..ep.static import dynamic_calls
+from ..ep.static import dynamic_calls, times_by_marks
 from ..models.grad_sync import GRAD_SYNCS, GradSync
 from ..models.runtime import base_model, forward_micro_batches, make_rank_model, micro_batches
 from ..records import row
@@ -294,7 +294,8 @@ def run_workload(ctx, cfg_dict: dict, workload: str) -> list:
         rows.append(row("microbatches", work.microbatches, "micro-batches"))
         if isinstance(work, TrainWorkload):     # and the gradient sync's schedule, as its index in GRAD_SYNCS
             rows.append(row("grad_sync_mode", GRAD_SYNCS.index(work.sync.mode), "index"))
-    rec = Recorder(rank=ctx.rank, sync_collectives=cfg.task.sync_collectives)
+    rec = Recorder(rank=ctx.rank, sync_collectives=cfg.task.sync_collectives,
+                   marks=times_by_marks(system_config(cfg.system)))
     for sample in _iterations(ctx, cfg.task, rec):
         rows += work.step(rec, sample)
     return _finish(ctx, cfg, rec, rows, model)
