@@ -63,7 +63,7 @@ def _layer(ctx, system: dict, case, slots: bool):
 
 def _block(ctx, system: dict, slots: bool, tokens: int = 3):
     """A tiny OLMoE proxy's first MoE block as an expert-parallel block of ``system`` (E = 8,
-    K = 2, float64, fixed buffers of ``tokens`` tokens), and this rank's hidden states."""
+    K = 2, float64, fixed buffers of ``tokens`` + 1 tokens), and this rank's hidden states."""
     from omegaconf import OmegaConf
     from occult.ep import system_config
     from occult.models.build import hf_config, init_model, moe_blocks
@@ -75,7 +75,7 @@ def _block(ctx, system: dict, slots: bool, tokens: int = 3):
     fam = family_of("olmoe")
     model = init_model(fam, hf_config(m, 32), 0).double()
     placement = slot_placement(8, ctx.world_size).to(ctx.device) if slots else None
-    config = system_config(system).sized(tokens, force=True)
+    config = system_config(system).sized(tokens + 1, force=True)      # padding travels too
     _, _, hf_block = moe_blocks(model, fam)[0]
     block = EPMoEBlock(hf_block, fam, config.build(ctx.ep, 0, 8, placement), 0, gate_rule(m)).to(ctx.device)
     g = torch.Generator(device="cpu").manual_seed(ctx.rank)

@@ -236,16 +236,17 @@ def test_eplb_balances_as_well_on_several_nodes_as_on_one():
     E, K = 64, 8
     g = torch.Generator().manual_seed(0)
     pop_E = (1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2)[torch.randperm(E, generator=g)]
-    ids_NK = torch.stack([torch.multinomial(pop_E, K, generator=g) for _ in range(1024)])
+    ids_NK = torch.multinomial(pop_E.expand(1024, E), K, generator=g)
     load_E = torch.bincount(ids_NK.flatten(), minlength=E).double()
     for P, per_node in ((4, 2), (16, 4), (16, 2)):
         for r in (P, 2 * P):
             one = _device_max_over_mean(eplb_placements({0: load_E}, r, P)[0], load_E)
             many = _device_max_over_mean(eplb_placements({0: load_E}, r, P, per_node)[0], load_E)
             assert many <= 1.1 * one, (P, per_node, r, one, many)
-            one = _device_max_over_mean(affinity_placements({0: ids_NK}, E, r, P)[0], load_E)
-            many = _device_max_over_mean(affinity_placements({0: ids_NK}, E, r, P, per_node)[0], load_E)
-            assert many <= 1.1 * one, ("affinity", P, per_node, r, one, many)
+    for P, per_node in ((4, 2), (16, 4)):         # the affinity packing (a loop over slots): one count
+        one = _device_max_over_mean(affinity_placements({0: ids_NK}, E, P, P)[0], load_E)
+        many = _device_max_over_mean(affinity_placements({0: ids_NK}, E, P, P, per_node)[0], load_E)
+        assert many <= 1.1 * one, ("affinity", P, per_node, one, many)
     # the model's 8 groups on 4 nodes: each group's slots on one node (EPLB's hierarchical policy)
     pl = eplb_placements({0: load_E}, 16, 16, 4, num_groups=8)[0]
     node_S = pl.device_S // 4
