@@ -21,9 +21,13 @@ extra collective, and any process can compute any rank's choice (plans, C_T). Th
   pairs; the pairs past a device's cap (in token-major order) move to the least-loaded
   device holding a copy of their expert (water-filled per expert, most-requested first).
 
-Within a device the pair goes to its first slot of the expert (two copies on one device
-serve as one; EPLB rarely makes them). Vectorised over tokens and pairs; the loops are
-over the K greedy steps, the sending ranks and the copied experts.
+``round_robin`` counts every copy, two copies on one device included (each its own slot).
+The other rules choose a device, and within it the pair goes to the expert's first slot
+there (two copies on one device serve as one; EPLB rarely makes them). ``round_robin`` and
+``local_first`` are decided on the device: they read the slot placement's tables, computed
+when it was built, with no host read and no data-dependent shape (a static dispatch takes
+them); ``grace`` and ``collaborative`` read counts on the host. Vectorised over tokens and
+pairs; the loops are over the K greedy steps, the sending ranks and the copied experts.
 
 Shapes: T tokens, K top-k, E experts, P devices, S slots, N pairs of one rank.
 """
