@@ -84,7 +84,7 @@ def sync_of(name: str, args: tuple, kwargs: dict) -> str:
         return "torch.where(condition) makes an output whose shape depends on the data"
     if name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 4:
         repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if len(args) == 1 else None)
-        if isinstance(repeats, torch.Tensor) and repeats.numel() > 1:
+        if isinstance(repeats, torch.Tensor):
             return "torch.repeat_interleave without output_size makes an output whose shape depends on the data"
     if name in INDEXING and len(args) > 1 and _has_mask(args[1]):
         return f"Tensor.{name} with a boolean mask makes a shape that depends on the data"
