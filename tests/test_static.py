@@ -3,11 +3,12 @@
 Its exactness is the parity suite's (tests/test_parity.py: naive and occult with
 dispatch_mode=static are other exact paths of theirs, in every world, forward and
 backward, with their traffic plans equal to what the ranks logged). Here: a static step
-does nothing that synchronises a GPU (occult.ep.host_sync's guard raises in the test world
-on an MoELayer and a model's EPMoEBlock, on the contiguous placement and on EPLB's slots,
-and each kind of synchronisation put back into the path is caught); the decode task runs its steps static on
-every proxy (in tests/test_devices.py's world, and behind its parity gate here, slow); the bad inputs (too many tokens, a system without a static path, CUDA graphs
-without CUDA or on a dynamic dispatch).
+does nothing that synchronises a GPU (occult.ep.host_sync's guard, on an MoELayer in the
+P = 2 world and a model's EPMoEBlock on one rank, on the contiguous placement and on
+EPLB's slots; each kind of synchronisation put back into the path is caught); the decode
+task runs its steps static on every proxy (in tests/test_devices.py's world, and behind its
+parity gate here, slow); the bad inputs (too many tokens, a system without a static path,
+CUDA graphs without CUDA or on a dynamic dispatch).
 """
 import pytest
 import torch
@@ -58,8 +59,9 @@ def guarded():
 
 @pytest.mark.timeout(200)
 def test_a_static_step_does_nothing_that_synchronises_a_gpu(guarded):
-    """On every MoE block type and placement kind, the static step's forward and backward
-    read nothing on the host, make no data-dependent shape, and time by marks."""
+    """An MoELayer's static step, forward and backward, on both placement kinds (round_robin
+    and local_first copies on EPLB's slots): no host read, no data-dependent shape, timed by
+    marks."""
     for rank_out in guarded:
         steps = [label for label in rank_out if " static " in label and "clock" not in label]
         assert len(steps) == 6
