@@ -33,6 +33,37 @@ def test_a_malformed_source_is_one_line_naming_the_field(tmp_path):
         published.load_points([bad])
 
 
+def test_a_kernel_declares_its_message_unit_with_a_citation(tmp_path):
+    """The decode kernels' NIC message granularity is declared, each with its source's code
+    cited; the other kernels count as simulated (per peer); a bad unit is one line."""
+    import numpy as np
+
+    from analysis.transport_fit import Exchange, counted_messages
+    points = published.load_points()
+    kernels = points.drop_duplicates(["source", "kernel"]).set_index(["source", "kernel"])
+    assert kernels.message_unit.to_dict() == {
+        ("deepep", "normal_intranode"): "peer", ("deepep", "normal_internode"): "peer", ("deepep", "low_latency"): "pair",
+        ("pplx_garden", "pplx_efa"): "peer", ("pplx_garden", "pplx_cx7"): "peer", ("pplx_garden", "deepep_cx7"): "pair",
+        ("uccl_ep", "normal_intranode"): "peer", ("uccl_ep", "normal_internode"): "peer", ("uccl_ep", "low_latency"): "pair"}
+    assert kernels.message_declared.sum() == 5
+    good = (published.PUBLISHED_DIR / "uccl_ep.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(good.replace("unit: pair", "unit: token", 1))
+    with pytest.raises(ValueError, match=r"messages\.unit='token': allowed values \['peer', 'pair'\]"):
+        published.load_points([bad])
+    # pair: a message per row sent across nodes; the NVLink messages stay as simulated
+    x = Exchange(sent_intra_P=np.array([5.0, 3.0]), received_intra_P=np.array([3.0, 5.0]),
+                 sent_inter_P=np.array([40.0, 0.0]), received_inter_P=np.array([0.0, 40.0]),
+                 messages_P=np.array([4.0, 1.0]), inter_messages_P=np.array([3.0, 0.0]))
+    assert counted_messages(x, "peer") is x
+    y = counted_messages(x, "pair")
+    assert y.inter_messages_P.tolist() == [40.0, 0.0] and y.messages_P.tolist() == [41.0, 1.0]
+    assert all((getattr(y, f) == getattr(x, f)).all() for f in ("sent_intra_P", "received_intra_P", "sent_inter_P",
+                                                                 "received_inter_P"))
+    with pytest.raises(ValueError, match=r"messages\.unit='token'"):
+        counted_messages(x, "token")
+
+
 def test_a_static_buffers_valid_rows_are_its_dynamic_twins_rows():
     """task=simulate prices a one-sided transport on a static system's valid rows, taken from
     its dynamic twin's plan: they are the rows the static path itself marks valid."""
