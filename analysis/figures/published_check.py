@@ -9,8 +9,9 @@ out; check points (DeepEP's low-latency table, and pplx-garden's column of the s
 the fit on every fit point, which no check point entered. Sections: the error per source
 (median and 90th percentile of |ln(projected / published)|) against the targets
 (:data:`MEDIAN_TARGET` per validated source, :data:`P90_TARGET` over all validated points), the
-check, every point, the fitted parameters of every fold, and decode at EP 256 and prefill at
-EP 64 on the H800 profile beside the published numbers.
+check, every point, the fitted parameters of every fold, decode at EP 256 and prefill at EP 64
+on the H800 profile beside the published numbers, and a diagnostic: the same fits with each
+kernel's NIC messages counted per its declared, cited unit (:func:`granularity_check`).
 """
 from __future__ import annotations
 
@@ -198,7 +199,9 @@ def h800_projections(table: pd.DataFrame) -> pd.DataFrame:
 
 def build(df: pd.DataFrame, out_dir) -> list:
     """Report builder (see the module docstring): ``published_check.csv`` (every point),
-    ``published_check_sources.csv``, ``published_check_params.csv``, ``published_check_h800.csv``."""
+    ``published_check_sources.csv``, ``published_check_params.csv``, ``published_check_h800.csv``,
+    ``published_check_disagreements.csv``, and the message-unit diagnostic's
+    ``published_check_message_units.csv`` and ``published_check_message_costs.csv``."""
     title = "The price of an exchange against published GPU measurements"
     sim = df[(df.task == "simulate")] if "task" in df else df
     if sim.empty:
