@@ -75,8 +75,8 @@ from types import SimpleNamespace
 import torch
 
 from occult.ep import SplitDispatcher
-from occult.ep.measure import barrier, clock
-from occult.ep.observe import CallTrace, probe
+from occult.ep.measure import barrier
+from occult.ep.observe import CallTrace, log_observed, observed_start, probe
 from occult.ep.plan import returned, sends
 
 from baselines.tutel_harness import TutelHarnessDispatcher, capacity_of_facts
@@ -124,11 +124,10 @@ def observed_all_reduces(fast_dispatch, trace: CallTrace):
 
     def observed(input, group=None, op=torch.distributed.ReduceOp.SUM, inplace=False):
         wait = barrier(trace.ep) if rec.sync_collectives else 0.0
-        t0 = clock()
+        t0 = observed_start(rec)
         out = inner(input, group=group, op=op, inplace=inplace)
-        rec.log_collective(layer=trace.layer, phase="counts", direction="forward",
-                           rows_P=[1] * trace.ep.world_size, row_bytes=input.numel() * input.element_size(),
-                           seconds=clock() - t0, wait_seconds=wait)
+        log_observed(rec, trace.layer, "counts", "forward", [1] * trace.ep.world_size,
+                     input.numel() * input.element_size(), t0, wait)
         return out
 
     fast_dispatch.simple_all_reduce = observed

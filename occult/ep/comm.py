@@ -130,12 +130,13 @@ def _log(where: Exchange, direction: str, collective: str, rows_P, x: torch.Tens
     strand = current_strand()
     if rec is not None and strand is not None and seconds is None:
         # a co-executed strand: its start and end are marks, read once every strand has ended
+        # (the valid rows of a fixed buffer with them)
         end = mark()
         strand.later(lambda: _log(where, direction, collective, rows_P, x, t0, wait, meta_row_bytes,
-                                  seconds=between(t0, end)))
+                                  seconds=between(t0, end), valid_P=valid_P))
         return
     if rec is not None:
-        seconds = clock() - t0 if seconds is None else seconds
+        seconds = rec.since(t0) if seconds is None else seconds
         if where.metadata:
             meta_row_bytes = _row_bytes(x)
         raw = replay() if replay is not None and rec.raw_replay else -1.0
@@ -146,18 +147,18 @@ def _log(where: Exchange, direction: str, collective: str, rows_P, x: torch.Tens
                            valid_P=valid_P)
 
 
-def _start(ep: EPGroup, where: Exchange) -> tuple[float, float]:
-    """(barrier wait, start time) of a collective (the barrier only with sync_collectives; no
+def _start(ep: EPGroup, where: Exchange) -> tuple[float, object]:
+    """(barrier wait, start) of a collective (the barrier only with sync_collectives; no
     clock read without a recorder: on CUDA it synchronises the device, which a CUDA graph's
-    capture may not, :mod:`occult.ep.graphs`; in a co-executed strand the start is a mark:
-    :mod:`occult.ep.strands`)."""
+    capture may not, :mod:`occult.ep.graphs`; in a co-executed strand, or for a recorder
+    that times by marks (a static step's), the start is a mark: :mod:`occult.ep.strands`)."""
     rec = where.recorder
     if rec is None:
         return 0.0, 0.0
     if current_strand() is not None:
         return 0.0, mark()
     wait = barrier(ep) if rec.sync_collectives else 0.0
-    return wait, clock()
+    return wait, rec.now()
 
 
 # something told before and after every collective of this module (None: nothing): a

@@ -119,6 +119,13 @@ def runs_static(config) -> bool:
     return config.is_static() and not _DYNAMIC.get()
 
 
+def times_by_marks(config) -> bool:
+    """Whether a run of a system with ``config`` times its steps by marks
+    (``Recorder(marks=True)``: no span or collective waits for the device, the times read
+    after the step): a static dispatch's, whose steps may not synchronise."""
+    return getattr(config, "dispatch_mode", "dynamic") == "static"
+
+
 def capacity(config, num_tokens: int, layer: int, rank: int) -> int:
     """M, the tokens per rank the buffers hold; refuses a call with more tokens than that
     (never drops a token), naming the largest count seen (this call's)."""

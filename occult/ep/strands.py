@@ -15,7 +15,8 @@ runs while micro-batch 0's dispatch is in flight, micro-batch 0's experts while 
 knowing (any family, any system whose collectives go through :mod:`occult.ep.comm`).
 Collectives start in an order fixed by the schedule (round robin over the live strands,
 one collective per turn), the same on every rank. A collective a library runs by itself
-(deepspeed, tutel) is synchronous: correct, and not overlapped.
+(deepspeed, tutel) is synchronous: correct, and not overlapped; its whole time is its
+``exposed_comm`` (:func:`occult.ep.observe.log_observed`).
 
 What is measured: ``exposed_comm``, per collective, the time from the turn coming back to
 the collective's end: communication that the other strands' compute did not hide. Times

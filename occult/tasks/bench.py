@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 
 from ..ep import Recorder, system_config
 from ..ep.measure import barrier, iterations, stopwatch
+from ..ep.static import times_by_marks
 from ..errors import ConfigError
 from ..memory import saved_activation_bytes
 from ..records import config_hash, row
@@ -120,7 +121,7 @@ def run_rank(ctx, cfg_dict: dict) -> list:
         rows.append(parity_gate(ctx, first, config, t.routing, layer.dispatcher.placement)
                     if t.check_parity else [])
         layers.append(layer)
-        recs.append(Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives))
+        recs.append(Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives, marks=times_by_marks(config)))
     x_TD, ids_TK, grad_TD = make_inputs(ctx, first)
     for i, layer in enumerate(layers):
         act = saved_activation_bytes(layer, x_TD.clone().requires_grad_(True), None, ids_TK)
@@ -216,7 +217,7 @@ def model_rank(ctx, cfg_dict: dict) -> list:
                     if t.check_parity and config.expert_parallel else [])
         model = make_rank_model(ctx, copy.deepcopy(base), cfg, system=config, tokens_per_rank=call_tokens(cfg))
         works.append(WORKLOADS[t.workload](ctx, cfg, tok, model))
-        recs.append(Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives))
+        recs.append(Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives, marks=times_by_marks(config)))
     for sample in iterations(ctx.ep, t.warmup, t.iters):
         for i in turns(len(works), sample):
             recs[i].clear()

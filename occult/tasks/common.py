@@ -143,6 +143,7 @@ def bandwidth_rows(ev, world_size: int, sample: int) -> list:
 def timing_rows(rec: Recorder, sample: int) -> list:
     """Spans and collective times of one timed iteration, in ms; each all-to-all's algbw and
     busbw (:func:`bandwidth_rows`)."""
+    rec.settle()            # a recorder that times by marks reads them now, after the step
     rows = [row("time", s * 1e3, "ms", layer=layer, rank=rec.rank, phase=name, direction=direction,
                 sample=sample) for layer, name, direction, s in rec.spans]
     rows += [row("a2a_time", ev.seconds * 1e3, "ms", layer=ev.layer, rank=rec.rank, phase=ev.phase,

@@ -25,7 +25,7 @@ from ..data.tokenizer import get_tokenizer
 from ..ep import Recorder, system_config
 from ..ep.accounting import recording
 from ..ep.measure import clock, iterations, slowest
-from ..ep.static import dynamic_calls
+from ..ep.static import dynamic_calls, times_by_marks
 from ..models.grad_sync import GRAD_SYNCS, GradSync
 from ..models.runtime import base_model, forward_micro_batches, make_rank_model, micro_batches
 from ..records import row
@@ -91,7 +91,7 @@ def task_placements(ctx, cfg, model, tok) -> dict:
     if t == "contiguous":
         return {}
     from ..placement.eplb import load_slot_placements, save_slot_placements
-    from .layer import slot_placements_of
+    from .layer import expert_groups, slot_placements_of
     if t not in ("eplb", "eplb_affinity"):
         return load_slot_placements(t)[0]
     from ..models.families import family_of
@@ -104,7 +104,7 @@ def task_placements(ctx, cfg, model, tok) -> dict:
     E = cfg.model.num_experts
     ids = {layer: ids_NK for layer, (ids_NK, _, _) in routed.items()}
     loads = {layer: torch.bincount(ids_NK.flatten(), minlength=E).double() for layer, ids_NK in ids.items()}
-    placements, built_by = slot_placements_of(cfg.task, ids, loads, ctx)
+    placements, built_by = slot_placements_of(cfg.task, ids, loads, ctx, expert_groups(cfg.model))
     if ctx.rank == 0:
         save_slot_placements(Path(cfg.get("out_dir_resolved") or ".") / f"placement_{t}.json", placements,
                              built_by, {"profiling": f"the model's routers on {n} tokens of the train split "
@@ -308,7 +308,8 @@ def run_workload(ctx, cfg_dict: dict, workload: str) -> list:
         rows.append(row("microbatches", work.microbatches, "micro-batches"))
         if isinstance(work, TrainWorkload):     # and the gradient sync's schedule, as its index in GRAD_SYNCS
             rows.append(row("grad_sync_mode", GRAD_SYNCS.index(work.sync.mode), "index"))
-    rec = Recorder(rank=ctx.rank, sync_collectives=cfg.task.sync_collectives)
+    rec = Recorder(rank=ctx.rank, sync_collectives=cfg.task.sync_collectives,
+                   marks=times_by_marks(system_config(cfg.system)))
     for sample in _iterations(ctx, cfg.task, rec):
         rows += work.step(rec, sample)
     return _finish(ctx, cfg, rec, rows, model)
