@@ -23,8 +23,8 @@ BASES = {"naive": "baselines.naive.NaiveDispatcher", "occult": "occult.collab.di
 class WrappedDispatcher(Dispatcher):
     """``base``'s dispatcher with a routing transform (:meth:`make_transform`) before it."""
 
-    impl = "harness"
-    exact = False
+    # no capability record here: each wrapper class declares its own (the base's answers
+    # what its collectives do: Config.capabilities)
 
     @dataclass
     class Config(SystemConfig):

@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,6 +46,7 @@ import torch.nn.functional as nnf
 
 from .accounting import Recorder, backward_span, span
 from .capabilities import refusal
+from .context import current, entered
 from .comm import Exchange, all_to_all_fixed
 from .payload import wire_row_bytes
 from .permute import home_of
@@ -99,24 +99,18 @@ class StaticConfig(SystemConfig):
         return super().other_exact_paths() + static
 
 
-_DYNAMIC: ContextVar = ContextVar("occult_dynamic_calls", default=False)
-
-
 @contextmanager
 def dynamic_calls():
     """Layer calls inside run the dynamic dispatch even on a static system: a decode task's
     prompt (production runs prefill with its normal-mode kernels, decode steps with the
-    low-latency ones)."""
-    token = _DYNAMIC.set(True)
-    try:
+    low-latency ones). The run context's ``dynamic`` (:func:`occult.ep.context.entered`)."""
+    with entered(dynamic=True):
         yield
-    finally:
-        _DYNAMIC.reset(token)
 
 
 def runs_static(config) -> bool:
     """Whether a call of a system with ``config`` takes its static path now."""
-    return config.is_static() and not _DYNAMIC.get()
+    return config.is_static() and not current().dynamic
 
 
 def times_by_marks(config) -> bool:
