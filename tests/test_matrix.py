@@ -70,3 +70,35 @@ def test_the_default_run_cases_validate():
 def test_every_case_of_the_matrix_validates():
     for case in cases():
         validate(case_cfg(case))
+
+
+def _run(cases_: list) -> list:
+    """Runs ``cases_`` in their worlds (P = 2, one node; P = 4, two nodes of two): the failures."""
+    from occult.dist import launch
+    from occult.matrix import world_of
+
+    from matrix_helpers import failures, matrix_world
+    out = []
+    for world in sorted({world_of(c) for c in cases_}):
+        mine = [c for c in cases_ if world_of(c) == world]
+        P, G = world
+        results = launch(matrix_world, P, (mine,), devices_per_node=G, timeout_s=1500, collective_timeout_s=120)
+        for i, case in enumerate(mine):
+            out += failures(case, [results[r][i] for r in range(P)])
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_one_case_per_system_runs_the_whole_model_as_the_single_device_model_does():
+    """Each system's default-run case (training, micro-batches where its record allows them):
+    forward and backward against the single-device model, valid <= wire rows, a non-yielding
+    collective's exposed time its whole time, the plan's traffic the logged one."""
+    bad = _run([first_case(s) for s in axes()["system"]])
+    assert not bad, "\n".join(bad[:30])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_every_case_of_the_matrix_runs_the_whole_model_as_the_single_device_model_does():
+    bad = _run(cases())
+    assert not bad, "\n".join(bad[:40])
