@@ -135,14 +135,15 @@ def _inspect(case: dict, config):
                     spans.setdefault(layer, []).append(s)
             unmatched = []
             for ev in rec.comm:
-                if ev.direction != "forward" or ev.phase == "counts":
+                if ev.direction != "forward" or ev.phase == "counts" or ev.layer < 0:   # layer -1: migration's
                     continue
                 if ev.seconds in spans.get(ev.layer, []):
                     spans[ev.layer].remove(ev.seconds)
                 else:
                     unmatched.append((ev.layer, ev.phase, ev.seconds))
             out["exposed_not_total"] = unmatched
-            out["library_collectives"] = sum(ev.direction == "forward" and ev.phase != "counts" for ev in rec.comm)
+            out["library_collectives"] = sum(ev.direction == "forward" and ev.phase != "counts" and ev.layer >= 0
+                                             for ev in rec.comm)
         blocks = {m.layer_idx: m for m in model.modules() if isinstance(m, EPMoEBlock)}
         if case["dispatch_mode"] == "static":
             out["guard"] = guarded(blocks, model.config.hidden_size)
