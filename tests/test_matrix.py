@@ -61,12 +61,7 @@ def test_every_pair_the_records_refuse_is_refused_at_validation_in_one_line():
         assert any(named.get(axis, axis) in line for axis in (a, b)), (pair, line)
 
 
-def test_the_default_run_cases_validate():
-    for system in axes()["system"]:
-        validate(case_cfg(first_case(system)))
-
-
-@pytest.mark.slow
+@pytest.mark.slow     # 7 s; the default run's cases are among them
 def test_every_case_of_the_matrix_validates():
     for case in cases():
         validate(case_cfg(case))

@@ -117,7 +117,7 @@ def times_by_marks(config) -> bool:
     """Whether a run of a system with ``config`` times its steps by marks
     (``Recorder(marks=True)``: no span or collective waits for the device, the times read
     after the step): a static dispatch's, whose steps may not synchronise."""
-    return getattr(config, "dispatch_mode", "dynamic") == "static"
+    return config.is_static()
 
 
 def capacity(config, num_tokens: int, layer: int, rank: int) -> int:
