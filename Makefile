@@ -14,7 +14,7 @@ TUTEL_WHEELS ?= $(firstword $(wildcard ../shared/wheels $(shell git config --get
 TUTEL_COMMIT := 82af7aad9fc3ec981395ba97e7242a480984a55e
 TUTEL_SOURCE ?= git+https://github.com/microsoft/tutel@$(TUTEL_COMMIT)
 
-.PHONY: run test test-all test-triton bench docs gpu-check gpu-check-device gpu-wheels gpu-megablocks venv clean
+.PHONY: run test test-all test-triton bench docs docs-systems gpu-check gpu-check-device gpu-wheels gpu-megablocks venv clean
 
 venv: $(STAMP)
 
@@ -76,6 +76,10 @@ bench: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m analysis.report runs/default_study --publish docs/results
 	$(PY) -m analysis.report $$(ls -d runs/bench/*/ | tail -1) --publish docs/results
+
+# docs/systems.md's capability table, from the systems' records (occult/capability_table.py)
+docs-systems: $(STAMP)
+	$(PY) -m occult.capability_table --write
 
 # Everything that needs a GPU, on one GPU (about 8 minutes on an H200; each step at most
 # 150 s): one results folder under runs/gpu_check/ (Triton kernels, MegaBlocks' dMoE, a

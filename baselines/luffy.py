@@ -41,6 +41,7 @@ from occult.ep import SystemConfig
 from occult.ep.permute import gather_rows
 
 from .lsh import LSHDispatcher
+from occult.ep.capabilities import Capabilities
 
 # the tasks that train through the system's backward
 TRAINING_TASKS = ("train", "finetune")
@@ -82,9 +83,18 @@ class LuffyDispatcher(LSHDispatcher):
     """Luffy's token condensation; ``threshold``: the cosine similarity at which a pair
     shares its leader's row (1: identical tokens only, exact)."""
 
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=False, exact_backward=False,
+        static_dispatch="it has no fixed-buffer dispatch (only naive EP's and Occult's exchanges have one)",
+        co_execution=True,
+        yields=True,
+        traffic_plan=("its rows are cluster representatives, and how many a (rank, expert) sends depends on the "
+                     "similarity of the tokens' activations, not on the routing"),
+        migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=False)
+
     counter = "luffy"
-    no_plan = ("its rows are cluster representatives, and how many a (rank, expert) sends depends on the "
-               "similarity of the tokens' activations, not on the routing")
 
     @dataclass
     class Config(SystemConfig):

@@ -179,13 +179,17 @@ def system_yamls(conf_dirs: Sequence[Path]) -> dict:
 
 def _schema_of(path: Path):
     """The typed config class named by a system YAML's ``_target_`` (None when it cannot be
-    imported: validation then reports why)."""
+    imported: validation then reports why). A class without its own capability record
+    fails here, at registration (:class:`occult.ep.capabilities.NoCapabilities`)."""
+    from .ep.capabilities import NoCapabilities
     from .ep.system import import_object, system_schema
     from .errors import ConfigError
 
     target = (yaml.safe_load(path.read_text()) or {}).get("_target_", "")
     try:
         return system_schema(import_object(target))
+    except NoCapabilities:
+        raise
     except (ImportError, AttributeError, ValueError, ConfigError):
         return None
 

@@ -223,7 +223,8 @@ def lm_loss(logits_BSV: torch.Tensor, ids_BS: torch.Tensor) -> torch.Tensor:
 
 def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_size: int = 256,
                 placements: Optional[dict] = None, system=None, wrap: Optional[Callable] = None,
-                forward_tolerance: Optional[float] = None, backward: bool = True) -> dict:
+                forward_tolerance: Optional[float] = None, backward: bool = True,
+                inspect: Optional[Callable] = None) -> dict:
     """An expert-parallel model against the single-device model on the concatenation of
     all ranks' sequences: logits, loss, and the gradients of every weight (replicated
     weights after data-parallel averaging; experts against the reference's slice, a copied
@@ -240,6 +241,8 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     backward (whose graph a wrong forward may have tangled), returning those two errors,
     ``backward`` False and ``forward_agrees`` False (on every rank); ``backward=False``: the
     forward alone, without autograd (an inference run's check), the same two errors.
+    ``inspect(model, recorder)``: what else to read of the run (a dict, under ``inspected``),
+    once it has ended.
     """
     import copy
 
@@ -292,7 +295,8 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
             dist.all_reduce(worst_forward, op=dist.ReduceOp.MAX, group=ctx.ep.group)
         agrees = worst_forward.item() <= forward_tolerance    # the same on every rank
     if not (agrees and backward):                             # every rank stops here together
-        return {"errors": errors, "backward": False, "forward_agrees": agrees}
+        return {"errors": errors, "backward": False, "forward_agrees": agrees,
+                **({"inspected": inspect(model, rec)} if inspect is not None else {})}
     synced = sync.backward(losses)
     ref_params = dict(ref.named_parameters())
     worst = 0.0
@@ -319,7 +323,8 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     return {"errors": errors, "backward": True, "forward_agrees": agrees, "sent_rows": sent, "grad_sync": synced,
             "exposed_comm_spans": sum(name == "exposed_comm" for _, name, _, _ in rec.spans),
             "forward_collectives": sum(ev.direction == "forward" for ev in rec.comm),
-            "routing": [(layer, ids_TK) for layer, ids_TK, *_ in rec.routing]}
+            "routing": [(layer, ids_TK) for layer, ids_TK, *_ in rec.routing],
+            **({"inspected": inspect(model, rec)} if inspect is not None else {})}
 
 
 class _GradView:

@@ -164,7 +164,7 @@ def test_a_replica_rule_on_a_placement_without_copies_is_a_note():
     (["task=layer", "task.placement=eplb", "task.num_redundant=3", "model=olmoe_layer", "cluster=cpu4"],
      "task.num_redundant=3: EPLB needs the physical count E + num_redundant = 67 divisible by the 4 GPUs"),
     (["task=layer", "task.num_redundant=8"], "task.num_redundant=8: task=layer does not read it here"),
-    (["task=layer", "task.placement=eplb", "system=allgather"], "task.placement='eplb': system allgather does not "
+    (["task=layer", "task.placement=eplb", "system=allgather"], "task.placement='eplb': system=allgather does not "
                                                                  "run on physical slots"),
     (["task=layer", "system=occult", "system.slack=-0.5"], "system.slack=-0.5: must be >= 0"),
     (["task=layer", "system=naive", "system.replica_policy=nearest"], "system.replica_policy='nearest': allowed "

@@ -134,7 +134,8 @@ def cfg_with(*overrides):
 
 @pytest.mark.parametrize("overrides, message", [
     (["system=megablocks", "system.dispatch_mode=static"],
-     r"system.dispatch_mode=static: system megablocks cannot take it \(MegaBlocks' block-padded .*allowed value: "
+     r"system.dispatch_mode=static: system=megablocks does not take system.dispatch_mode=static: MegaBlocks' "
+     r"block-padded .*allowed value: "
      r"dynamic"),
     (["system=tutel_harness", "+system.dispatch_mode=static"],
      r"system.dispatch_mode: unknown option of system 'tutel_harness'; allowed: "),

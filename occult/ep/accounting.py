@@ -11,12 +11,12 @@ Shapes: T tokens, K top-k, E experts, P devices.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 
+from .context import current, entered
 from .measure import Interval, between, clock, mark
 from .placement import Placement
 from .strands import current_strand
@@ -138,22 +138,18 @@ class Recorder:
         self.counters.clear()
 
 
-_ACTIVE: ContextVar = ContextVar("occult_recorder", default=None)
-
-
 @contextmanager
 def recording(recorder: "Recorder | None"):
     """Makes ``recorder`` the active one for layers called without an explicit recorder
-    (whole models, whose forward signature the harness does not own)."""
-    token = _ACTIVE.set(recorder)
-    try:
+    (whole models, whose forward signature the harness does not own): the run context's
+    ``recorder`` (:func:`occult.ep.context.entered`)."""
+    with entered(recorder=recorder):
         yield recorder
-    finally:
-        _ACTIVE.reset(token)
 
 
 def active_recorder() -> "Recorder | None":
-    return _ACTIVE.get()
+    """The run context's recorder (None: nothing records)."""
+    return current().recorder
 
 
 def span(recorder: "Recorder | None", layer: int, name: str, direction: str = "forward"):

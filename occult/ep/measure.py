@@ -35,17 +35,14 @@ from typing import Iterator, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from . import context
+
 CLOCK = "host"
 CUDA_CLOCK = "cuda-synchronized"
-# the CUDA device this process's rank computes on (None: a CPU rank); set by use_device
-_SYNC_DEVICE = None
-
-
 def use_device(device) -> None:
-    """Times this process's rank on ``device`` from now on (a CUDA device: synchronised reads)."""
-    global _SYNC_DEVICE
-    device = torch.device(device)
-    _SYNC_DEVICE = device if device.type == "cuda" else None
+    """Times this process's rank on ``device`` from now on (a CUDA device: synchronised
+    reads): the run context's ``sync_device`` (:func:`occult.ep.context.use_device`)."""
+    context.use_device(device)
 
 
 def clock_name(backend: str) -> str:
@@ -63,15 +60,16 @@ def clock() -> float:
     after the device has finished its queued work."""
     if ON_SYNC is not None:
         ON_SYNC("occult.ep.measure.clock() synchronises the device")
-    if _SYNC_DEVICE is not None:
-        torch.cuda.synchronize(_SYNC_DEVICE)
+    device = context.current().sync_device
+    if device is not None:
+        torch.cuda.synchronize(device)
     return perf_counter()
 
 
 def mark():
     """A point on this rank's timeline that does not wait for the device: a CUDA event
     recorded on the current stream (CUDA rank) or the host clock (CPU rank)."""
-    if _SYNC_DEVICE is None:
+    if context.current().sync_device is None:
         return perf_counter()
     event = torch.cuda.Event(enable_timing=True)
     event.record()

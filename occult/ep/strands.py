@@ -37,14 +37,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .context import current, entered
 from .measure import between, mark
 
-_LOCAL = threading.local()
-
-
 def current_strand() -> Optional["Strand"]:
-    """The strand this thread runs (None outside co-execution)."""
-    return getattr(_LOCAL, "strand", None)
+    """The strand this thread runs (None outside co-execution): the run context's ``strand``."""
+    return current().strand
 
 
 class Strand:
@@ -118,7 +116,10 @@ class Strands:
         streams = [torch.cuda.Stream(device) for _ in range(self.n)] if caller_stream is not None else []
 
         def body(i: int) -> None:
-            _LOCAL.strand = Strand(self, i)
+            with entered(strand=Strand(self, i)):
+                run(i)
+
+        def run(i: int) -> None:
             try:
                 with self._cond:
                     self._cond.wait_for(lambda: self._turn == i)
@@ -133,7 +134,6 @@ class Strands:
             except BaseException as exc:          # noqa: BLE001 - re-raised by the caller
                 errors[i] = exc
             finally:
-                _LOCAL.strand = None
                 self._finish(i)
 
         threads = [threading.Thread(target=contextvars.copy_context().run, args=(body, i), daemon=True,

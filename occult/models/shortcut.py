@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as nnf
 from torch import nn
 
+from .ep_block import EPMoEBlock
+
 
 class Shortcut:
     """What passes from one MoE block to the next within one forward: the previous block's
@@ -72,9 +74,9 @@ class ShortcutMLP(nn.Module):
         carrier.previous, carrier.started = (r_BSD if nxt is not None else None), None
         if nxt is None:
             _CARRIED.set(None)                                 # the last block lets go of the forward's tensors
-        if started is None and self.first and hasattr(self.moe, "start"):
+        if started is None and self.first and isinstance(self.moe, EPMoEBlock):
             started = self.moe.start(routed_in)                # nothing before the first block to hide it behind
-        if nxt is not None and hasattr(nxt, "start"):
+        if nxt is not None and isinstance(nxt, EPMoEBlock):
             carrier.started = nxt.start(r_BSD)                 # block l+1's routed input is this block's r_l (or None)
         shared = shared_output(self.moe, r_BSD)
         routed = self.moe.finish(started) if started is not None else routed_output(self.moe, routed_in)
@@ -97,7 +99,7 @@ class ShortcutMLP(nn.Module):
 def routed_output(moe: nn.Module, x_BSD: torch.Tensor) -> torch.Tensor:
     """The routed experts of ``moe`` (the transformers block, or the expert-parallel block)
     on ``x``, without the shared expert. [B, S, D]."""
-    if hasattr(moe, "routed"):
+    if isinstance(moe, EPMoEBlock):
         return moe.routed(x_BSD)
     x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
     _, weights_TK, ids_TK = moe.gate(x_TD)
