@@ -29,10 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 
-# The one shrink list of every smoke run: (key, value). A ``task.*`` key applies only to a
-# task whose schema has the field; a number applies only where it is smaller than the
-# point's own (a shrink never grows a run: ``cluster.devices_per_node`` 2 leaves a one-node
-# world, 0, as it is); a string applies wherever its key is.
+# The one shrink list of every smoke run: (key, value), filtered per point by :func:`shrunk`:
+# a ``task.*`` key applies only to a task whose schema has the field and whose checks take the
+# value; a number applies only where it is below the point's own (or the point's is null, no
+# bound): a shrink never grows a run (``cluster.devices_per_node`` 1 leaves a one-node world, 0,
+# as it is); a string applies wherever its key is.
 SHRINK = (
     ("model.init", "random"),           # a proxy's trained checkpoint would be pre-trained first
     ("model.hidden_size", 32),
@@ -131,7 +132,9 @@ def run_point(experiment: str, point: list, shrink: list, report: bool) -> int:
     working directory; its exit status."""
     from occult import runner
 
-    overrides = [*point, *shrink, "hydra.sweeper.params=null"]
+    # the sweep folder runs/<experiment> whatever the experiment's own (a stamped one): the paths
+    # a later grid reads (runs/${experiment_name}/...) are there, and the report reads them all
+    overrides = [*point, *shrink, "hydra.sweeper.params=null", "hydra.sweep.dir=runs/${experiment_name}"]
     if not report:
         overrides.append("~hydra.callbacks.sweep_report")
     sys.argv = [str(ROOT / "run.py"), f"experiment={experiment}", *overrides]
@@ -147,8 +150,12 @@ def run_point(experiment: str, point: list, shrink: list, report: bool) -> int:
 def smoke(out_dir: Path, names: list, every_grid: bool, report: bool) -> dict:
     """Runs each experiment's points in ``out_dir/<experiment>``; what happened, per experiment."""
     from occult.config import register
+    from occult.dist import WHOLE_MODEL_PRELOAD, _rank_processes
 
     register()
+    # the ranks' fork server, started as the first launch of whole-model ranks starts it (else
+    # the first experiment, a layer one, would start it without their imports)
+    _rank_processes(True, WHOLE_MODEL_PRELOAD)
     done = {}
     for name in names:
         where = out_dir / name
@@ -168,6 +175,20 @@ def smoke(out_dir: Path, names: list, every_grid: bool, report: bool) -> dict:
     return done
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process, its children and the ranks' fork server with the ranks it
+    forked (which reaps them: their time is in its children's time)."""
+    from multiprocessing import forkserver
+
+    own = os.times()
+    total = own.user + own.system + own.children_user + own.children_system
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
@@ -177,8 +198,10 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     out = args.out_dir.resolve()
+    t0 = time.perf_counter()
     done = smoke(out, args.names or experiments(), args.every_grid, args.report)
-    (out / "smoke.json").write_text(json.dumps(done, indent=1))
+    out.joinpath("smoke.json").write_text(json.dumps({"experiments": done, "wall_s": time.perf_counter() - t0,
+                                                      "cpu_s": cpu_seconds()}, indent=1))
 
 
 if __name__ == "__main__":
