@@ -112,6 +112,6 @@ def build(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             "4, ... whose largest component holds that share of the experts (median over orders). "
             "Paper's point: the graph connects after a few tokens, "
             "so re-placing experts per batch cannot keep a batch's tokens on few devices."] + notes
-    return [Section(title, text, [("fig3_lcc", pd.DataFrame(summary)),
-                                  ("fig3_lcc_curves", curves.groupby(["model", "routing", "top_k", "tokens"])
-                                   .lcc.median().reset_index())], figs)]
+    curve_medians = curves.groupby(["model", "routing", "top_k", "tokens"]).lcc.median().reset_index()
+    return [Section(title, text, [("fig3_lcc", pd.DataFrame(summary))], figs,
+                    data=[("fig3_lcc_curves", curve_medians)])]
