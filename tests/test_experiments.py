@@ -43,9 +43,15 @@ def assert_all_ran(done: dict, reports: bool = False) -> None:
     for name, ran in done["experiments"].items():
         bad = [p["point"] for p in ran["points"] if p["status"] != 0]
         if bad or ran["errors"] or len(ran["results"]) < len(ran["points"]) or (reports and not ran["reports"]):
-            failed[name] = {"points": bad, "errors": [e.strip().splitlines()[-1] for e in ran["errors"].values()],
+            failed[name] = {"points": bad, "errors": [_last_error(e) for e in ran["errors"].values()],
                             "results": len(ran["results"]), "reports": ran["reports"]}
     assert not failed, json.dumps(failed, indent=1)
+
+
+def _last_error(traceback: str) -> str:
+    """A traceback's last ``...Error: ...`` line (the error itself, not OmegaConf's trailer)."""
+    lines = [ln.strip() for ln in traceback.splitlines() if ln.strip()]
+    return next((ln for ln in reversed(lines) if "Error" in ln.split(":", 1)[0]), lines[-1] if lines else "")
 
 
 def test_every_experiment_is_named_here():
