@@ -41,8 +41,8 @@ SHRINK = (
     ("model.shared_expert_ffn_size", 16),
     ("model.dense_ffn_size", 32),
     ("model.num_layers", 2),
-    ("cluster.world_size", 2),
     ("cluster.devices_per_node", 1),
+    ("cluster.world_size", 2),
     ("task.warmup", 0),
     ("task.iters", 1),
     ("task.tokens_per_rank", 32),
@@ -96,34 +96,52 @@ def grid_points(experiment: str, every_grid: bool = False) -> list[list[str]]:
     return points
 
 
+def _refusal(cfg):
+    """What validation (:func:`occult.validate.validate`, as ``run.py`` runs it) says against
+    ``cfg``: its one-line error, or None."""
+    from occult.errors import ConfigError
+    from occult.validate import validate
+
+    try:
+        validate(cfg)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def shrunk(experiment: str, point: list) -> list[str]:
-    """The overrides of :data:`SHRINK` that apply to this point (its composed config): a
-    ``task.*`` one only where the task's schema has the field and its checks take the value
-    (:func:`occult.tasks.options.check_task`: its bounds, and the fields these values leave
-    unread); a number only below the point's own value."""
+    """The overrides of :data:`SHRINK` that apply to this point (its composed config), in
+    order: a ``task.*`` one only where the task's schema has the field; a number only below
+    the point's own value; and only one that validation takes with those before it (a task's
+    bounds, the fields its values leave unread, a model's dense layers that need more layers
+    than the shrunk count): validation refuses nothing the point itself did not."""
     from omegaconf import OmegaConf
 
-    from occult.errors import ConfigError
-    from occult.tasks.options import check_task, task_schema
+    from occult.tasks.options import task_schema
 
     cfg = _compose([f"experiment={experiment}", *(o for o in point if not o.startswith("hydra."))])
-    task = OmegaConf.to_container(cfg.task, resolve=True)
-    fields = {f.name for f in dataclasses.fields(task_schema(task["schema"]))}
-    out = []
+    fields = {f.name for f in dataclasses.fields(task_schema(cfg.task.schema))}
+    candidates = []
     for key, value in SHRINK:
         group, _, name = key.partition(".")
         now = OmegaConf.select(cfg, key)
-        if isinstance(value, (int, float)) and now is not None and not (isinstance(now, (int, float)) and value < now):
+        if (group == "task" and name not in fields) or (isinstance(value, (int, float)) and now is not None and
+                                                          not (isinstance(now, (int, float)) and value < now)):
             continue
-        if group == "task":
-            if name not in fields:
-                continue
-            try:
-                check_task({**task, name: value})
-            except ConfigError:
-                continue
-            task[name] = value
-        out.append(f"{key}={value}")
+        candidates.append((key, value))
+    refused = _refusal(cfg)
+    whole = cfg.copy()
+    for key, value in candidates:
+        OmegaConf.update(whole, key, value)
+    if _refusal(whole) in (None, refused):          # the usual case: validation takes them all at once
+        return [f"{key}={value}" for key, value in candidates]
+    out = []
+    for key, value in candidates:                   # else one by one, each with those taken before it
+        trial = cfg.copy()
+        OmegaConf.update(trial, key, value)
+        if _refusal(trial) in (None, refused):
+            cfg = trial
+            out.append(f"{key}={value}")
     return out
 
 

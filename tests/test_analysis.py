@@ -411,6 +411,21 @@ def test_grids_sweeper_expands_a_union():
     assert len(points) == 2 * 2 + 1
 
 
+def test_a_long_point_keeps_the_folder_the_command_line_names():
+    """A point whose overrides would name a folder past the limit gets a short name with a
+    digest, unless the command line names its folder (``hydra.sweep.subdir=...``)."""
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.occult_sweepers.grids_sweeper import MAX_FOLDER_NAME, GridsSweeper
+
+    point = [f"model.hidden_size={'1' * MAX_FOLDER_NAME}"]
+    sw = GridsSweeper(max_batch_size=None, params={})
+    for subdir, shortened in (("${hydra.job.override_dirname}", True), ("placement_p4", False)):
+        sw.config = OmegaConf.create({"hydra": {"job": {"config": {"override_dirname": {"exclude_keys": []}}},
+                                                "sweep": {"subdir": subdir}}})
+        assert (sw._short_folder(point) != point) == shortened, subdir
+
+
 def test_every_experiments_sweeper_instantiates_and_refers_to_its_points():
     """Hydra instantiates the sweeper from the composed config (resolving it); a grid's
     reference to its point's config (``%{...}``) must survive that and reach the point."""
