@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 
 # The one shrink list of every smoke run: (key, value), filtered per point by :func:`shrunk`:
-# a ``task.*`` key applies only to a task whose schema has the field and whose checks take the
-# value; a number applies only where it is below the point's own (or the point's is null, no
-# bound): a shrink never grows a run (``cluster.devices_per_node`` 1 leaves a one-node world, 0,
-# as it is); a string applies wherever its key is.
+# a ``task.*`` key applies only to a task whose schema has the field; a number only where it is
+# below the point's own (or the point's is null, no bound): a shrink never grows a run
+# (``cluster.devices_per_node`` 1 leaves a one-node world, 0, as it is); and only what
+# validation takes (a task's bounds and unread fields, a model's dense layers).
 SHRINK = (
     ("model.init", "random"),           # a proxy's trained checkpoint would be pre-trained first
     ("model.hidden_size", 32),
@@ -213,7 +213,7 @@ def main() -> None:
     parser.add_argument("names", nargs="*", help="experiments (default: every one)")
     parser.add_argument("--every-grid", action="store_true", help="the first point of every grid")
     parser.add_argument("--report", action="store_true", help="and the experiment's report")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     sys.path.insert(0, str(ROOT))
     out = args.out_dir.resolve()
     t0 = time.perf_counter()
