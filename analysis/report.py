@@ -35,7 +35,9 @@ SHOWN = ["system", "impl", "label", "model", "task", "cluster", "top_k", "routin
          "dispatch_rows_per_token", "dispatch_remote_MB", "a2a_dispatch_fwd_ms", "a2a_combine_fwd_ms", "layer_fwd_ms",
          "layer_fwd_bwd_ms", "layer_fwd_ms_vs_naive", "layer_fwd_bwd_ms_vs_naive", "recv_max_over_mean",
          "slowest_rank"]
-NOT_RUNS = ("calibrate",)          # tasks whose runs measure the machine, not a system
+NOT_RUNS = ("calibrate",)
+# what tells runs apart: shown in a summary only where its rows differ, but for those in SHOWN
+KEYS = RUN_KEYS + SYSTEM_KEYS + ["label", "system_options", "init", "clock"]          # tasks whose runs measure the machine, not a system
 
 
 def overview(df: pd.DataFrame, out: Path) -> Section:
@@ -52,8 +54,8 @@ def overview(df: pd.DataFrame, out: Path) -> Section:
         phases.to_csv(out / "phases.csv", index=False)
     lat = task_latency(runs)
     if not lat.empty:
-        tables.append(("task_latency", _filled(lat[[c for c in lat if c not in ("run_id", "run_dir")
-                                                    and (c != "system_options" or lat[c].nunique() > 1)]])))
+        values = [c for c in lat if c not in KEYS + SHOWN + ["run_id", "run_dir"]]
+        tables.append(("task_latency", _filled(lat[shown_columns(lat, SHOWN + values)])))
     text = [f"{table.shape[0]} run(s), {len(df)} result rows; machine: {df.device.iloc[0]}; commit "
             f"{df.git_commit.iloc[0]}.{_wall_time(df)}", clock_words(runs),
             "recv_max_over_mean: the dispatch's received rows max / mean over ranks (MaxVio + 1); slowest_rank: "
@@ -87,7 +89,7 @@ def shown_columns(table: pd.DataFrame, shown: list) -> list:
     """``shown`` (those ``table`` has), and every other key column in which its rows differ
     (batch size, options, ...), after the key columns of ``shown``: two rows never look
     alike in a summary when their runs are not."""
-    keys = [c for c in RUN_KEYS + SYSTEM_KEYS + ["label", "system_options", "init", "clock"] if c in table]
+    keys = [c for c in KEYS if c in table]
     differ = [c for c in keys if c not in shown and table[c].astype(str).nunique() > 1]
     cols = [c for c in shown if c in table]
     last_key = max((i for i, c in enumerate(cols) if c in keys), default=-1)
