@@ -35,9 +35,9 @@ SHOWN = ["system", "impl", "label", "model", "task", "cluster", "top_k", "routin
          "dispatch_rows_per_token", "dispatch_remote_MB", "a2a_dispatch_fwd_ms", "a2a_combine_fwd_ms", "layer_fwd_ms",
          "layer_fwd_bwd_ms", "layer_fwd_ms_vs_naive", "layer_fwd_bwd_ms_vs_naive", "recv_max_over_mean",
          "slowest_rank"]
-NOT_RUNS = ("calibrate",)
+NOT_RUNS = ("calibrate",)          # tasks whose runs measure the machine, not a system
 # what tells runs apart: shown in a summary only where its rows differ, but for those in SHOWN
-KEYS = RUN_KEYS + SYSTEM_KEYS + ["label", "system_options", "init", "clock"]          # tasks whose runs measure the machine, not a system
+KEYS = RUN_KEYS + SYSTEM_KEYS + ["label", "system_options", "init", "clock"]
 
 
 def overview(df: pd.DataFrame, out: Path) -> Section:
