@@ -128,7 +128,8 @@ def section_lines(sec: Section, out: Path, figure_dir: str = "") -> list[str]:
                   readable(table).to_markdown(index=False, floatfmt=".4g") if not table.empty else "(empty)", ""]
     for name, table in sec.data:
         table.to_csv(out / f"{slug(name)}.csv", index=False)
-        lines += [f"**{name}**: {len(table)} rows in `{slug(name)}.csv` (beside the report), drawn in the figure.", ""]
+        lines += [f"**{name}**: {len(table)} rows in [{slug(name)}.csv]({figure_dir}{slug(name)}.csv), drawn in "
+                  "the figure.", ""]
     for fig in sec.figures:
         if Path(fig).suffix == ".png":
             png, pdf = Path(fig).name, Path(fig).with_suffix(".pdf").name

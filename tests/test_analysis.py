@@ -891,5 +891,5 @@ def test_report_words_and_tables_a_person_reads(tmp_path):
     assert "measured" not in words and "simulated" in words
     long = pd.DataFrame({"tokens": range(100), "lcc": range(100)})
     lines = section_lines(Section("t", data=[("curves", long)]), tmp_path)
-    assert "**curves**: 100 rows in `curves.csv`" in "\n".join(lines) and "| 99 " not in "\n".join(lines)
+    assert "**curves**: 100 rows in [curves.csv](curves.csv)" in "\n".join(lines) and "| 99 " not in "\n".join(lines)
     assert len(pd.read_csv(tmp_path / "curves.csv")) == 100
