@@ -327,7 +327,7 @@ def test_pretraining_is_bit_reproducible_whatever_the_callers_threads(tmp_path, 
     model.update(hidden_size=32, expert_ffn_size=16, num_layers=2, num_experts=8, top_k=2, **arch)
     cfg = OmegaConf.create({"model": model, "seed": 3, "pretrain": {
         "steps": 3, "lr": 3e-3, "batch_size": 2, "seq_len": 16, "balance_coef": 0.1, "tokenizer_vocab": 4096,
-        "corpus": "shakespeare", "eval_every": 0, "threads": 2}})
+        "corpus": "shakespeare", "eval_every": 0, "eval_batches": 1, "threads": 2}})
     digests = []
     before = torch.get_num_threads()
     try:

@@ -51,8 +51,10 @@ def prepare(cfg_dict: dict) -> dict:
     return cfg_dict
 
 
-def setup(ctx, cfg):
-    """This rank's model (eval mode), tokenizer and the parity rows."""
+def setup(ctx, cfg, tokens_per_call: int):
+    """This rank's model (eval mode), tokenizer and the parity rows. ``tokens_per_call``: the
+    most tokens one rank's layer call holds in the task's work (what a system with fixed
+    buffers is sized by; each task knows it from its own fields, e.g. :func:`call_tokens`)."""
     tok = get_tokenizer(cfg.pretrain.tokenizer_vocab, corpus=cfg.pretrain.corpus)
     vocab = cfg.model.vocab_size or tok.vocab_size
     rows = []
@@ -62,7 +64,7 @@ def setup(ctx, cfg):
         first = min(placements) if placements else None
         rows += parity_gate(ctx, cfg, cfg.system, "router", placements.get(first))
         rows += model_parity_gate(ctx, cfg, cfg.system, placements or None, model_runner(ctx, cfg))
-    model = make_rank_model(ctx, full, cfg, placements or None, tokens_per_rank=call_tokens(cfg))
+    model = make_rank_model(ctx, full, cfg, placements or None, tokens_per_rank=tokens_per_call)
     return model.eval(), tok, rows
 
 
@@ -76,8 +78,9 @@ def model_runner(ctx, cfg):
 
 
 def call_tokens(cfg) -> int:
-    """The tokens one rank's layer call holds in the timed work (what a system with fixed
-    buffers is sized by): a decode step's B (its prompt runs dynamic), else B S."""
+    """The tokens one rank's layer call holds in the timed work of a task with ``batch_size``
+    and ``seq_len`` (what a system with fixed buffers is sized by): a decode step's B (its
+    prompt runs dynamic), else B S."""
     t = cfg.task
     return t.batch_size if t.get("workload", t.name) == "decode" else t.batch_size * t.seq_len
 
@@ -299,7 +302,7 @@ def run_workload(ctx, cfg_dict: dict, workload: str) -> list:
     """A whole-model task on this rank: the parity gate, the rank model, warm-up and timed
     iterations of ``workload``, then the last iteration's collectives and routing."""
     cfg = OmegaConf.create(cfg_dict)
-    model, tok, rows = setup(ctx, cfg)
+    model, tok, rows = setup(ctx, cfg, call_tokens(cfg))
     runner = model_runner(ctx, cfg)
     if runner is not None:
         model = runner(model)
