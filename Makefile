@@ -14,7 +14,7 @@ TUTEL_WHEELS ?= $(firstword $(wildcard ../shared/wheels $(shell git config --get
 TUTEL_COMMIT := 82af7aad9fc3ec981395ba97e7242a480984a55e
 TUTEL_SOURCE ?= git+https://github.com/microsoft/tutel@$(TUTEL_COMMIT)
 
-.PHONY: run test test-all test-triton bench docs results gpu-check gpu-check-device gpu-wheels gpu-megablocks venv clean
+.PHONY: run test test-all test-triton bench docs docs-systems results gpu-check gpu-check-device gpu-wheels gpu-megablocks venv clean
 
 venv: $(STAMP)
 
@@ -84,6 +84,10 @@ docs: $(STAMP)
 # so a rerun resumes. ONLY=fig8_pattern,table1_ct_runtime runs some of them.
 results: $(STAMP)
 	$(PY) -m analysis.results $(if $(ONLY),--only $(ONLY)) $(if $(ALLOW_DIRTY),--allow-dirty)
+
+# docs/systems.md's capability table, from the systems' records (occult/capability_table.py)
+docs-systems: $(STAMP)
+	$(PY) -m occult.capability_table --write
 
 # Everything that needs a GPU, on one GPU (about 8 minutes on an H200; each step at most
 # 150 s): one results folder under runs/gpu_check/ (Triton kernels, MegaBlocks' dMoE, a

@@ -8,8 +8,9 @@ Uses the runs measured at the profile's world size (their per-peer bytes and
 tokens); ``--model``: ``own`` (each run's own width), ``real`` (the paper model
 each CPU proxy stands for) or a name under conf/model. Writes
 ``projected_<profile>.csv`` (per layer and component) and
-``projected_<profile>_totals.csv`` (per run), and prints the totals; every
-row has ``source = projected``. Profiles: ``conf/profile/sim_*.yaml``.
+``projected_<profile>_totals.csv`` (per run), ``<profile>`` the profile's ``name``
+(also for a profile given by path), and prints the totals; every row has
+``source = projected``. Profiles: ``conf/profile/sim_*.yaml``, or a YAML path.
 """
 from __future__ import annotations
 
@@ -44,14 +45,15 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="folder for the CSV files (default: the first path)")
     args = ap.parse_args()
     proj, totals = project(args.paths, args.profile, args.model)
+    name = load_profile(args.profile).name          # a path's profile: its own name, not the path
     out = Path(args.out or args.paths[0])
     out.mkdir(parents=True, exist_ok=True)
-    proj.to_csv(out / f"projected_{args.profile}.csv", index=False)
-    totals.to_csv(out / f"projected_{args.profile}_totals.csv", index=False)
+    proj.to_csv(out / f"projected_{name}.csv", index=False)
+    totals.to_csv(out / f"projected_{name}_totals.csv", index=False)
     shown = [c for c in ("system", "model", "task", "world_size", "top_k", "target_model", "a2a_ms_per_layer",
                          "experts_ms_per_layer", "moe_ms", "source", "profile") if c in totals]
     print(totals[shown].to_markdown(index=False, floatfmt=".4g"))
-    print(out / f"projected_{args.profile}_totals.csv")
+    print(out / f"projected_{name}_totals.csv")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import pandas as pd
 
 from occult.records import git_commit
 
-from .sections import Section, section_lines
+from .sections import Section, section_lines, slug
 
 
 def experiment_of(df: pd.DataFrame) -> str:
@@ -68,8 +68,8 @@ def stamp(df: pd.DataFrame, experiment: str, command: str, docs_dir: Path) -> li
 
 
 def publish(df: pd.DataFrame, sections: list[Section], report_dir, docs_dir, command: str = "") -> Path:
-    """Writes ``<docs_dir>/<experiment>.md`` from a report's sections (its figures copied
-    into ``<docs_dir>/<experiment>/``); returns the file's path."""
+    """Writes ``<docs_dir>/<experiment>.md`` from a report's sections (its figures and long
+    tables' CSV files copied into ``<docs_dir>/<experiment>/``); returns the file's path."""
     experiment = experiment_of(df)
     docs_dir, report_dir = Path(docs_dir), Path(report_dir)
     figures = docs_dir / experiment
@@ -83,6 +83,9 @@ def publish(df: pd.DataFrame, sections: list[Section], report_dir, docs_dir, com
             if Path(fig).suffix == ".png":
                 figures.mkdir(parents=True, exist_ok=True)
                 shutil.copy(fig, figures / Path(fig).name)
+        for name, table in sec.data:            # long per-point tables: their CSV beside the figures
+            figures.mkdir(parents=True, exist_ok=True)
+            table.to_csv(figures / f"{slug(name)}.csv", index=False)
         lines += section_lines(sec, report_dir, f"{experiment}/")
     path = docs_dir / f"{experiment}.md"
     docs_dir.mkdir(parents=True, exist_ok=True)

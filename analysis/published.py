@@ -8,7 +8,10 @@ kernel declares, before any fit, the harness system that moves its rows (``syste
 padded receive buffer; ``two_sided``: an equal-split all-to-all sends the whole buffer), its
 ``links`` (``nvlink``, ``nvlink+rdma``), whether it overlaps NVLink and the NIC
 (``overlap``), whether its timed call includes a counts exchange (``counts``) and the
-source's rule for counting bytes (``byte_rule.rows``: :data:`BYTE_RULES`). A point is one
+source's rule for counting bytes (``byte_rule.rows``: :data:`BYTE_RULES`); optionally the
+granularity of its NIC messages as its source's code issues them (``messages.unit``:
+:data:`MESSAGE_UNITS`, with ``messages.cited``: repository, file, line and commit), used by the
+report's message-granularity diagnostic (undeclared: ``peer``, the price's own count). A point is one
 published run: kernel, EP size, nodes, phase (dispatch | combine) and its latency (us) and /
 or bandwidth (GB/s). A table's or a kernel's ``role`` is ``fit`` (used by the fits) or
 ``check`` (held out of every fit, reported as the check of the fitted model).
@@ -30,6 +33,10 @@ BYTE_RULES = {
     "pairs": "a row per (token, expert) pair of the rank's tokens",
     "rank_dedup_received": "the rows a rank receives, one per (token, rank)",
     "node_dedup_sent": "the rank's (token, node) pairs",
+}
+MESSAGE_UNITS = {
+    "peer": "one NIC message per remote peer with a non-empty block (batched per peer)",
+    "pair": "one NIC message per (token, expert) row sent across nodes",
 }
 TRANSPORTS = ("one_sided", "two_sided")
 LINKS = ("nvlink", "nvlink+rdma")
@@ -78,6 +85,9 @@ def kernel_rows(path: Path) -> list[dict]:
             _allowed(k["links"], LINKS, f"{where}.kernels.{kname}.links")
             _allowed(k["byte_rule"].get("rows"), BYTE_RULES, f"{where}.kernels.{kname}.byte_rule.rows")
             _allowed(k.get("role", t["role"]), ROLES, f"{where}.kernels.{kname}.role")
+            if k.get("messages") is not None:
+                _need(k["messages"], ("unit", "cited"), f"{where}.kernels.{kname}.messages")
+                _allowed(k["messages"]["unit"], MESSAGE_UNITS, f"{where}.kernels.{kname}.messages.unit")
         for i, p in enumerate(t["points"]):
             pw = f"{where}.points[{i}]"
             _need(p, ("kernel", "ep", "nodes", "phase"), pw)
@@ -100,6 +110,8 @@ def kernel_rows(path: Path) -> list[dict]:
                 "system": k["system"], "system_options": dict(k["system_options"] or {}),
                 "transport": k["transport"], "links": k["links"], "overlap": bool(k["overlap"]),
                 "counts": bool(k["counts"]), "byte_rule": k["byte_rule"]["rows"],
+                "message_unit": (k.get("messages") or {}).get("unit", "peer"),
+                "message_declared": k.get("messages") is not None,
                 "latency_us": float(p["latency_us"]) if p.get("latency_us") is not None else float("nan"),
                 "GBps": float(p["GBps"]) if p.get("GBps") is not None else float("nan"),
             })

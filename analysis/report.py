@@ -36,6 +36,8 @@ SHOWN = ["system", "impl", "label", "model", "task", "cluster", "top_k", "routin
          "layer_fwd_bwd_ms", "layer_fwd_ms_vs_naive", "layer_fwd_bwd_ms_vs_naive", "recv_max_over_mean",
          "slowest_rank"]
 NOT_RUNS = ("calibrate",)          # tasks whose runs measure the machine, not a system
+# what tells runs apart: shown in a summary only where its rows differ, but for those in SHOWN
+KEYS = RUN_KEYS + SYSTEM_KEYS + ["label", "system_options", "init", "clock"]
 
 
 def overview(df: pd.DataFrame, out: Path) -> Section:
@@ -52,23 +54,42 @@ def overview(df: pd.DataFrame, out: Path) -> Section:
         phases.to_csv(out / "phases.csv", index=False)
     lat = task_latency(runs)
     if not lat.empty:
-        tables.append(("task_latency", _filled(lat[[c for c in lat if c not in ("run_id", "run_dir")
-                                                    and (c != "system_options" or lat[c].nunique() > 1)]])))
+        values = [c for c in lat if c not in KEYS + SHOWN + ["run_id", "run_dir"]]
+        tables.append(("task_latency", _filled(lat[shown_columns(lat, SHOWN + values)])))
     text = [f"{table.shape[0]} run(s), {len(df)} result rows; machine: {df.device.iloc[0]}; commit "
-            f"{df.git_commit.iloc[0]}.{_wall_time(df)}",
-            "Times are medians over timed samples of the slowest rank, in ms, measured on this machine: "
-            "compare systems through the ratios, which were measured in the same sweep. C_T, rows and "
-            "bytes come from the split sizes that went into the collectives. recv_max_over_mean: the dispatch's "
-            "received rows max / mean over ranks (MaxVio + 1); slowest_rank: of the run's headline phase; every "
-            "timed phase's min / mean / max over ranks and slowest rank: phases.csv."]
+            f"{df.git_commit.iloc[0]}.{_wall_time(df)}", clock_words(runs),
+            "recv_max_over_mean: the dispatch's received rows max / mean over ranks (MaxVio + 1); slowest_rank: "
+            "of the run's headline phase; every timed phase's min / mean / max over ranks and slowest rank: "
+            "phases.csv."]
     return Section("Runs", text, tables, plot_phase_times(runs, out))
+
+
+def clock_words(runs: pd.DataFrame) -> str:
+    """What the runs' numbers are, by their ``clock``: measured on this machine (runs that timed
+    their ranks), simulated (``clock=simulated``: traffic plans, nothing timed), or both, each
+    naming its runs."""
+    clocks = runs.groupby("run_id").clock.first() if "clock" in runs else pd.Series("", runs.run_id.unique())
+    simulated = int((clocks == "simulated").sum())
+    timed = len(clocks) - simulated
+    parts = []
+    if timed:
+        which = f"the {timed} timed run(s) (clock={', '.join(sorted(set(clocks[clocks != 'simulated'])))})" \
+            if simulated else "these runs"
+        parts.append(f"Times of {which} are medians over timed samples of the slowest rank, in ms, measured on "
+                     "this machine: compare systems through the ratios, which were measured in the same sweep. "
+                     "Their C_T, rows and bytes come from the split sizes that went into the collectives.")
+    if simulated:
+        parts.append(f"The {simulated} run(s) with clock=simulated timed nothing: their C_T, rows and bytes are "
+                     "simulated (the systems' own traffic plans for every rank of a world that never ran, "
+                     "task=simulate), and their time columns are empty.")
+    return " ".join(parts)
 
 
 def shown_columns(table: pd.DataFrame, shown: list) -> list:
     """``shown`` (those ``table`` has), and every other key column in which its rows differ
     (batch size, options, ...), after the key columns of ``shown``: two rows never look
     alike in a summary when their runs are not."""
-    keys = [c for c in RUN_KEYS + SYSTEM_KEYS + ["label", "system_options", "init"] if c in table]
+    keys = [c for c in KEYS if c in table]
     differ = [c for c in keys if c not in shown and table[c].astype(str).nunique() > 1]
     cols = [c for c in shown if c in table]
     last_key = max((i for i, c in enumerate(cols) if c in keys), default=-1)

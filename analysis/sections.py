@@ -26,12 +26,14 @@ log = logging.getLogger("occult")
 
 @dataclass
 class Section:
-    """A part of report.md: a title, paragraphs, named tables and figures."""
+    """A part of report.md: a title, paragraphs, named tables and figures, and named long tables
+    (per-point data a figure draws) that go to their CSV only, named in report.md, not printed."""
 
     title: str
     text: list = field(default_factory=list)
     tables: list = field(default_factory=list)      # (name, DataFrame)
     figures: list = field(default_factory=list)     # paths (PNG and PDF)
+    data: list = field(default_factory=list)        # (name, DataFrame): <name>.csv only
 
 
 def no_data(title: str, what: str) -> list[Section]:
@@ -43,7 +45,7 @@ def write_table(table: pd.DataFrame, out_dir, name: str) -> None:
     """Writes a builder's table as ``<name>.csv`` and ``<name>.md`` into ``out_dir``."""
     out_dir = Path(out_dir)
     table.to_csv(out_dir / f"{name}.csv", index=False)
-    (out_dir / f"{name}.md").write_text(table.to_markdown(index=False, floatfmt=".4g") + "\n")
+    (out_dir / f"{name}.md").write_text(readable(table).to_markdown(index=False, floatfmt=".4g") + "\n")
 
 
 def available_builders() -> list[str]:
@@ -90,6 +92,24 @@ def guarded(build: Callable, df: pd.DataFrame, out: Path, options: dict = None) 
                                                f"`python -m analysis.report {out} --figures {name}`."])]
 
 
+def readable(table: pd.DataFrame) -> pd.DataFrame:
+    """A table as report.md prints it (its CSV keeps every column as it is): ``system_options``
+    reduced to the options in which its rows differ (:func:`analysis.summary.options_that_differ`;
+    gone when they differ in none), and ``run_dir`` (a folder path) left out where ``run_id``
+    names each run."""
+    from .summary import options_that_differ
+
+    if "system_options" in table:
+        options = options_that_differ(table.system_options)
+        at = table.columns.get_loc("system_options")
+        table = table.drop(columns=["system_options"])
+        if (options != "").any():
+            table.insert(at, "options", options)
+    if "run_dir" in table and "run_id" in table:
+        table = table.drop(columns=["run_dir"])
+    return table
+
+
 def slug(name: str) -> str:
     """A file name for a table's name."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
@@ -105,7 +125,11 @@ def section_lines(sec: Section, out: Path, figure_dir: str = "") -> list[str]:
     for name, table in sec.tables:
         table.to_csv(out / f"{slug(name)}.csv", index=False)
         lines += [f"**{name}** (`{slug(name)}.csv`)", "",
-                  table.to_markdown(index=False, floatfmt=".4g") if not table.empty else "(empty)", ""]
+                  readable(table).to_markdown(index=False, floatfmt=".4g") if not table.empty else "(empty)", ""]
+    for name, table in sec.data:
+        table.to_csv(out / f"{slug(name)}.csv", index=False)
+        lines += [f"**{name}**: {len(table)} rows in [{slug(name)}.csv]({figure_dir}{slug(name)}.csv), drawn in "
+                  "the figure.", ""]
     for fig in sec.figures:
         if Path(fig).suffix == ".png":
             png, pdf = Path(fig).name, Path(fig).with_suffix(".pdf").name

@@ -15,6 +15,8 @@ runs may share one).
 """
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 
 RUN_KEYS = ["experiment", "model", "task", "cluster", "world_size", "devices_per_node", "num_experts", "top_k",
@@ -22,7 +24,18 @@ RUN_KEYS = ["experiment", "model", "task", "cluster", "world_size", "devices_per
             "seq_len", "seed"]
 SYSTEM_KEYS = ["system", "impl"]
 # what tells two configs of one system apart, and where a run's files are (not keys)
-RUN_DESCRIPTION = ["label", "system_options", "run_dir"]
+RUN_DESCRIPTION = ["label", "system_options", "clock", "run_dir"]
+
+
+def options_that_differ(options: pd.Series) -> pd.Series:
+    """Per row of a table, its ``system_options`` (JSON) reduced to the options in which the
+    table's rows differ, as ``key=value, ...`` ("" for a row with none of them): what tells its
+    rows apart, where the full JSON repeats every default of every system."""
+    parsed = [json.loads(o) if isinstance(o, str) and o else {} for o in options]
+    keys = sorted({k for d in parsed for k in d})
+    differ = [k for k in keys if len({json.dumps(d.get(k), sort_keys=True) for d in parsed}) > 1]
+    return pd.Series([", ".join(f"{k}={json.dumps(d[k]) if not isinstance(d[k], str) else d[k]}"
+                                for k in differ if k in d) for d in parsed], index=options.index)
 
 
 def slowest_rank_ms(df: pd.DataFrame, metric: str, phase: str, direction: str) -> pd.Series:

@@ -127,6 +127,19 @@ def exchange_of(run: pd.DataFrame, phase: str, valid: bool, counts: bool) -> Exc
     return Exchange(*(total[n] / k for n in names))
 
 
+def counted_messages(x: Exchange, unit: str) -> Exchange:
+    """``x`` with its NIC messages counted per ``unit`` (:data:`analysis.published.MESSAGE_UNITS`):
+    ``peer`` as simulated (a message per remote peer with a non-empty block); ``pair`` a message
+    per row sent across nodes (a static system's valid rows: one per (token, expert) pair).
+    Messages within the node (NVLink stores) are left as simulated."""
+    if unit == "peer":
+        return x
+    if unit != "pair":
+        raise ValueError(f"messages.unit={unit!r}: allowed values ['peer', 'pair']")
+    intra_P = x.messages_P - x.inter_messages_P
+    return dataclasses.replace(x, messages_P=intra_P + x.sent_inter_P, inter_messages_P=x.sent_inter_P.copy())
+
+
 def rule_rows(run: pd.DataFrame, rule: str) -> float:
     """Rows per rank a source's byte rule counts (:data:`analysis.published.BYTE_RULES`),
     mean over ranks: ``pairs`` tokens x K; ``rank_dedup_received`` the dispatch rows a rank

@@ -30,6 +30,7 @@ import torch
 from occult.ep.router import NO_EXPERT
 
 from .wrapped import BASES, WrappedDispatcher
+from occult.ep.capabilities import Capabilities
 
 
 def adaptive_keep(topk_weights_TK: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -66,6 +67,16 @@ class AdaptiveTopK:
 
 class AdaptiveTopKDispatcher(WrappedDispatcher):
     """``base``'s dispatcher with AdapMoE's adaptive top-k in front of it."""
+
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=False, exact_backward=False,
+        static_dispatch="it has no fixed-buffer dispatch (only naive EP's and Occult's exchanges have one)",
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(WrappedDispatcher.Config):

@@ -39,6 +39,7 @@ from occult.ep import Exchange, Recorder, SplitDispatcher, SystemConfig
 from occult.ep.comm import ALL_GATHER, REDUCE_SCATTER, all_gather_rows, reduce_scatter_rows
 from occult.ep.permute import gather_rows, weighted_scatter_add
 from occult.ep.plan import metadata_sends, returned, sends
+from occult.ep.capabilities import Capabilities
 
 # the token counts' dtype, and the routing's beside the tokens (gate weights and top-k ids:
 # exact for the ids, differentiable for the weights)
@@ -75,7 +76,15 @@ def local_pairs(ids_AK: torch.Tensor, placement, rank: int) -> tuple[torch.Tenso
 class AllGatherDispatcher(SplitDispatcher):
     """All-gather / reduce-scatter expert parallelism (no options)."""
 
-    impl = "harness"
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch="it has no fixed-buffer dispatch (only naive EP's and Occult's exchanges have one)",
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(SystemConfig):

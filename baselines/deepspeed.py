@@ -96,6 +96,7 @@ from occult.ep import Dispatcher, Exchange, Recorder, SystemConfig, exchange_cou
 from occult.ep.accounting import span
 from occult.ep.observe import CallTrace, probe
 from occult.ep.plan import metadata_sends, returned, sends
+from occult.ep.capabilities import Capabilities
 
 DEEPSPEED_PIN = "0.19.8"
 # DeepSpeed builds a small C++ op on first use; the project keeps it, once per machine and
@@ -294,8 +295,16 @@ class DeepSpeedDispatcher(Dispatcher):
     lower bound on C for cf > 0 (4, as in ``deepspeed.moe.layer.MoE``).
     """
 
-    impl = "library"
-    exact = True          # with the default capacity_factor=0
+    capabilities = Capabilities(
+        impl="library", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch="it has no fixed-buffer dispatch (only naive EP's and Occult's exchanges have one)",
+        co_execution=True,
+        yields=("its collectives run inside the library, which does not hand them to another strand "
+                "(exposed_comm = their whole time)"),
+        traffic_plan=True,
+        migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(SystemConfig):

@@ -73,6 +73,7 @@ from occult.ep.plan import forwarded, metadata_sends, returned, sends
 from occult.placement.files import PlacementFileConfig
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, scatter_add_rows,
                                sort_pairs_by_destination, weighted_scatter_add)
+from occult.ep.capabilities import Capabilities
 
 RETURN_PHASE = "return_home"
 # the dtype of the index rows (token index, rank) that travel beside the rows
@@ -131,7 +132,15 @@ class ExFlowDispatcher(SplitDispatcher):
     :func:`occult.placement.save_placements`) whose per-layer groups this system runs with;
     null: contiguous placement."""
 
-    impl = "harness"
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch="it has no fixed-buffer dispatch (only naive EP's and Occult's exchanges have one)",
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(PlacementFileConfig):

@@ -41,6 +41,7 @@ from occult.ep.plan import forwarded, metadata_sends
 from occult.ep.accounting import span
 from occult.ep.experts import expert_rows, grouped_swiglu, weights_of_rows
 from occult.ep.permute import gather_rows, weighted_scatter_add
+from occult.ep.capabilities import Capabilities
 
 
 def pairs_by_expert(topk_ids_TK: torch.Tensor, row_of_E: torch.Tensor, num_rows: int
@@ -56,7 +57,15 @@ def pairs_by_expert(topk_ids_TK: torch.Tensor, row_of_E: torch.Tensor, num_rows:
 class ExpertFetchDispatcher(Dispatcher):
     """Janus's data-centric expert parallelism (no options)."""
 
-    impl = "harness"
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch="it has no fixed-buffer dispatch (only naive EP's and Occult's exchanges have one)",
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(SystemConfig):

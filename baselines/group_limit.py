@@ -20,10 +20,21 @@ from occult.pruning import GroupLimit
 from occult.pruning.transforms import WEIGHT_RULES, min_budget
 
 from .wrapped import Chained, WrappedDispatcher
+from occult.ep.capabilities import Capabilities
 
 
 class GroupLimitDispatcher(WrappedDispatcher):
     """``base``'s dispatcher behind DeepSeek-V3's group limit over devices."""
+
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=False, exact_backward=False,
+        static_dispatch="it has no fixed-buffer dispatch (only naive EP's and Occult's exchanges have one)",
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(WrappedDispatcher.Config):

@@ -59,6 +59,7 @@ import torch
 from occult.ep import Exchange, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
 from occult.ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
 from occult.ep.plan import forwarded, metadata_sends, returned, sends
+from occult.ep.capabilities import Capabilities
 
 DEDUP = ("none", "node", "device")
 # the dtype of the rows' metadata (gate weights and top-k ids): exact for the ids
@@ -156,7 +157,15 @@ class HierarchicalDispatcher(SplitDispatcher):
     """``dedup``: ``none`` | ``node`` | ``device`` (what each stage sends once, see the module
     docstring); the node layout comes from the group (``cluster.devices_per_node``)."""
 
-    impl = "harness"
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch="it has no fixed-buffer dispatch (only naive EP's and Occult's exchanges have one)",
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(SystemConfig):

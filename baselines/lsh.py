@@ -33,6 +33,7 @@ import torch
 from occult.ep import Exchange, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, scatter_add_rows,
                                sort_pairs_by_destination, weighted_scatter_add)
+from occult.ep.capabilities import Capabilities
 
 MAX_BITS = 16
 
@@ -71,11 +72,18 @@ def hash_keys(x_RD: torch.Tensor, group_R: torch.Tensor, bits: int, planes_DB: t
 class LSHDispatcher(SplitDispatcher):
     """LSH-MoE's centroid exchange; ``bits``: hash bits per expert (0: every pair its own bucket)."""
 
-    impl = "harness"
-    exact = False
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=False, exact_backward=False,
+        static_dispatch="it has no fixed-buffer dispatch (only naive EP's and Occult's exchanges have one)",
+        co_execution=True,
+        yields=True,
+        traffic_plan=("its rows are bucket centroids, and how many a (rank, expert) sends depends on the hash "
+                     "of the tokens' activations, not on the routing"),
+        migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=False)
+
     counter = "lsh"        # the prefix of its counters (lsh_rows, lsh_pairs)
-    no_plan = ("its rows are bucket centroids, and how many a (rank, expert) sends depends on the hash "
-               "of the tokens' activations, not on the routing")
 
     @dataclass
     class Config(SystemConfig):

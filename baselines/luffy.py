@@ -17,9 +17,15 @@ and shares that row's expert output back to each of them. My reading, as impleme
             sum at home, as naive EP's
 
 ``threshold = 1`` condenses only identical tokens (their expert outputs are identical):
-exact, the system's ``lossless_options`` (in the parity suite). Lower thresholds
-condense more. The gradient of a condensed pair's expert output reaches its leader's
-token only. Counters per call: ``luffy_rows`` (rows sent), ``luffy_pairs``, ``merged_pairs``.
+an exact forward, the system's ``lossless_options`` (in the parity suite). Lower
+thresholds condense more. The gradient of a condensed pair's expert output reaches its
+leader's token only: at threshold 1 the experts' and the router's gradients are exact (a
+cluster's tokens are one point of the expert's function), and the sum of the input
+gradients over each cluster, but not each token's own (the expert's vector-Jacobian
+product of each member's output gradient would take every pair's row back across, which
+is the exchange condensation saves); so training at threshold 1 is refused
+(:data:`TRAINING_TASKS`), where it would pass for exact. Counters per call: ``luffy_rows``
+(rows sent), ``luffy_pairs``, ``merged_pairs``.
 The exchange itself is LSH-MoE's (:class:`baselines.lsh.LSHDispatcher`: buckets of pairs,
 one row each); only the buckets and their rows differ.
 Shapes: R pairs, D hidden, G groups (P devices x e local experts), C representatives.
@@ -35,6 +41,10 @@ from occult.ep import SystemConfig
 from occult.ep.permute import gather_rows
 
 from .lsh import LSHDispatcher
+from occult.ep.capabilities import Capabilities
+
+# the tasks that train through the system's backward
+TRAINING_TASKS = ("train", "finetune")
 
 
 def leader_clusters(x_RD: torch.Tensor, group_R: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -73,9 +83,18 @@ class LuffyDispatcher(LSHDispatcher):
     """Luffy's token condensation; ``threshold``: the cosine similarity at which a pair
     shares its leader's row (1: identical tokens only, exact)."""
 
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=False, exact_backward=False,
+        static_dispatch="it has no fixed-buffer dispatch (only naive EP's and Occult's exchanges have one)",
+        co_execution=True,
+        yields=True,
+        traffic_plan=("its rows are cluster representatives, and how many a (rank, expert) sends depends on the "
+                     "similarity of the tokens' activations, not on the routing"),
+        migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=False)
+
     counter = "luffy"
-    no_plan = ("its rows are cluster representatives, and how many a (rank, expert) sends depends on the "
-               "similarity of the tokens' activations, not on the routing")
 
     @dataclass
     class Config(SystemConfig):
@@ -86,6 +105,13 @@ class LuffyDispatcher(LSHDispatcher):
             if not -1.0 <= self.threshold <= 1.0:
                 raise ValueError(f"system.threshold={self.threshold!r}: allowed values are a cosine similarity "
                                  "in [-1, 1] (1: identical tokens only, exact)")
+
+        def check_task(self, task: str) -> None:
+            if self.threshold >= 1.0 and task in TRAINING_TASKS:
+                raise ValueError(f"system.threshold={self.threshold!r}: task={task} would train through Luffy's "
+                                 "condensation of identical tokens, exact in the forward only (a shared row's "
+                                 "input gradient reaches the first of its tokens); allowed for training: a "
+                                 "threshold < 1 (lossy by design), or threshold 1 with prefill, decode, layer, bench")
 
         def is_exact(self) -> bool:
             return self.threshold >= 1.0

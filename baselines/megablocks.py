@@ -48,12 +48,15 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Optional
 
 import torch
 
 from baselines.naive import NaiveDispatcher, NaiveHandle
 from occult.ep.permute import gather_rows, scatter_add_rows
+from occult.ep.capabilities import Capabilities
+from occult.ep.payload import PAYLOADS
+from occult.ep.replica_rules import REPLICA_POLICIES
 
 
 
@@ -132,12 +135,18 @@ class MegaBlocksDispatcher(NaiveDispatcher):
     """MegaBlocks' dropless scheme: counts first, variable splits, rows grouped by
     local expert, optional block padding (``block_size``; 0 = grouped GEMM, none)."""
 
-    impl = "harness"
-    exact = True
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch="MegaBlocks' block-padded grouped compute is sized by counts read on the host",
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=REPLICA_POLICIES, payloads=PAYLOADS, dropped_pairs=True,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(NaiveDispatcher.Config):
-        no_static: ClassVar[str] = "MegaBlocks' block-padded grouped compute is sized by counts read on the host"
         # > 0: pad each local expert's rows to a multiple (block-sparse path; MegaBlocks uses 128)
         block_size: int = 0
         # the megablocks library: auto (where it imports and EP=1) | on | off (the harness scheme)

@@ -10,7 +10,7 @@ Shapes: T tokens, K top-k, D hidden, P ranks, e local experts, R rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Optional
 
 import torch
 
@@ -21,6 +21,9 @@ from occult.ep.static import StaticConfig, StaticPairs, runs_static
 from occult.ep.system import PayloadConfig, ReplicaConfig
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination,
                                weighted_scatter_add)
+from occult.ep.capabilities import Capabilities
+from occult.ep.payload import PAYLOADS
+from occult.ep.replica_rules import REPLICA_POLICIES
 
 
 def pair_exchange_plan(send_Pe: torch.Tensor, rank: int, shape: RowShape, dispatch_payload: str = "fp32",
@@ -58,11 +61,19 @@ class NaiveDispatcher(StaticPairs, SplitDispatcher):
     ``dispatch_mode=static``: fixed buffers of min(K, e) x ``max_tokens_per_rank`` slots per
     destination, no counts exchange, no host read (:mod:`occult.ep.static`)."""
 
-    impl = "harness"
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch=True,
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=REPLICA_POLICIES, payloads=PAYLOADS, dropped_pairs=True,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(StaticConfig, ReplicaConfig, PayloadConfig):
-        accepts_dropped_pairs: ClassVar[bool] = True
+        """Naive EP's dispatch mode, replica rule and payloads."""
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK, *, layer=0, recorder=None):
         K = topk_ids_TK.shape[1]

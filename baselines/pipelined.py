@@ -51,6 +51,7 @@ from occult.ep.experts import grouped_swiglu
 from occult.ep.links import Link, link_at, pipeline_seconds
 from occult.ep.measure import between, mark
 from occult.ep.permute import expert_major_order, gather_rows, inverse_permutation, weighted_scatter_add
+from occult.ep.capabilities import Capabilities
 
 DEGREES = ("1", "2", "4", "auto")
 AUTO_DEGREES = (1, 2, 4, 8)
@@ -163,9 +164,16 @@ class PipelinedDispatcher(Dispatcher):
     """``degree``: chunks per layer (``1``, ``2``, ``4`` or ``auto``); ``profile``: the machine
     whose links and throughput ``auto``'s rule weighs."""
 
-    impl = "harness"
-    no_co_execution = ("its chunks already overlap the layer's exchanges with its experts, through collectives of "
-                       "its own that a strand does not hand over, and its exposed_comm spans would join the strands'")
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch="it has no fixed-buffer dispatch (only naive EP's and Occult's exchanges have one)",
+        co_execution=("its chunks already overlap the layer's exchanges with its experts, through collectives of "
+                      "its own that a strand does not hand over, and its exposed_comm spans would join the strands'"),
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(SystemConfig):

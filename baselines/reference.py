@@ -12,22 +12,26 @@ needs a dispatcher and is refused at validation time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from occult.ep import SystemConfig
+from occult.ep.capabilities import Capabilities
 
 
 class ReferenceModel:
     """The single-device model system: no dispatcher (its config builds none), no options."""
 
-    impl = "library"
-    exact = True
-    precision = "float64"
+    capabilities = Capabilities(
+        impl="library", precision="float64", expert_parallel=False, exact_forward=True, exact_backward=True,
+        static_dispatch="it runs no expert parallelism (the model's own MoE blocks)",
+        co_execution=True,
+        yields=True,
+        traffic_plan="it runs no expert parallelism (the model's own MoE blocks)",
+        migration="it runs no expert parallelism (the model's own MoE blocks)",
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(SystemConfig):
-        expert_parallel: ClassVar[bool] = False
-
         def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
             """Any expert count runs on any number of ranks: each holds all experts."""
 

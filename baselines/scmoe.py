@@ -36,6 +36,7 @@ from occult.ep.measure import between, mark
 from occult.ep.permute import expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination
 
 from .naive import NaiveDispatcher, NaiveHandle
+from occult.ep.capabilities import Capabilities
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,16 @@ class _Arrived(torch.autograd.Function):
 class ScMoEDispatcher(NaiveDispatcher):
     """Naive EP's exchange with its dispatch startable ahead of the layer (``start_moe`` /
     ``finish_moe``) for a shortcut-connected model's overlapped schedule."""
+
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch="it has no fixed-buffer dispatch (only naive EP's and Occult's exchanges have one)",
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=True)
 
     @dataclass
     class Config(SystemConfig):

@@ -51,6 +51,7 @@ from occult.ep.experts import expert_rows, grouped_swiglu, weights_of_rows
 from occult.ep.links import Link, link_at
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination,
                                weighted_scatter_add)
+from occult.ep.capabilities import Capabilities
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,15 @@ class ShadowDispatcher(Dispatcher):
     """FasterMoE's dynamic shadowing; ``profile``: the machine (a conf/profile name or a YAML
     path) whose link bandwidth and matmul throughput the shadowing rule assumes."""
 
-    impl = "harness"
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch="it has no fixed-buffer dispatch (only naive EP's and Occult's exchanges have one)",
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(SystemConfig):

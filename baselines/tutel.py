@@ -75,11 +75,12 @@ from types import SimpleNamespace
 import torch
 
 from occult.ep import SplitDispatcher
-from occult.ep.measure import barrier, clock
-from occult.ep.observe import CallTrace, probe
+from occult.ep.measure import barrier
+from occult.ep.observe import CallTrace, log_observed, observed_start, probe
 from occult.ep.plan import returned, sends
 
 from baselines.tutel_harness import TutelHarnessDispatcher, capacity_of_facts
+from occult.ep.capabilities import Capabilities
 
 TUTEL_VERSION = "0.3"
 TUTEL_COMMIT = "82af7aad9fc3ec981395ba97e7242a480984a55e"
@@ -123,11 +124,10 @@ def observed_all_reduces(fast_dispatch, trace: CallTrace):
 
     def observed(input, group=None, op=torch.distributed.ReduceOp.SUM, inplace=False):
         wait = barrier(trace.ep) if rec.sync_collectives else 0.0
-        t0 = clock()
+        t0 = observed_start(rec)
         out = inner(input, group=group, op=op, inplace=inplace)
-        rec.log_collective(layer=trace.layer, phase="counts", direction="forward",
-                           rows_P=[1] * trace.ep.world_size, row_bytes=input.numel() * input.element_size(),
-                           seconds=clock() - t0, wait_seconds=wait)
+        log_observed(rec, trace.layer, "counts", "forward", [1] * trace.ep.world_size,
+                     input.numel() * input.element_size(), t0, wait)
         return out
 
     fast_dispatch.simple_all_reduce = observed
@@ -201,9 +201,16 @@ class TutelDispatcher(SplitDispatcher):
     overlap degree (on this CPU: C rounded up to a multiple of it, see the module docstring).
     """
 
-    impl = "library"
-    exact = True           # with the default capacity_factor=0
-    precision = "float32"  # Tutel's CPU encode / decode
+    capabilities = Capabilities(
+        impl="library", precision="float32", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch="it has no fixed-buffer dispatch (only naive EP's and Occult's exchanges have one)",
+        co_execution=True,
+        yields=("its collectives run inside the library, which does not hand them to another strand "
+                "(exposed_comm = their whole time)"),
+        traffic_plan=True,
+        migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(TutelHarnessDispatcher.Config):

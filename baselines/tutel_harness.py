@@ -53,6 +53,7 @@ import torch
 from occult.ep import Exchange, Placement, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
 from occult.ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
 from occult.ep.plan import metadata_sends, returned, sends
+from occult.ep.capabilities import Capabilities
 
 
 
@@ -129,8 +130,15 @@ class TutelHarnessDispatcher(SplitDispatcher):
     (default, exact), < 0 dropless capped at the cf > 0 capacity of |cf|.
     """
 
-    impl = "harness"
-    exact = True     # with the default capacity_factor=0; cf != 0 drops pairs beyond capacity
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch="it has no fixed-buffer dispatch (only naive EP's and Occult's exchanges have one)",
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(SystemConfig):

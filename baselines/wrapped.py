@@ -8,6 +8,7 @@ the base: its placement, who runs it, its precision, the tasks it takes.
 """
 from __future__ import annotations
 
+import dataclasses
 from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Dict
@@ -22,8 +23,8 @@ BASES = {"naive": "baselines.naive.NaiveDispatcher", "occult": "occult.collab.di
 class WrappedDispatcher(Dispatcher):
     """``base``'s dispatcher with a routing transform (:meth:`make_transform`) before it."""
 
-    impl = "harness"
-    exact = False
+    # no capability record here: each wrapper class declares its own (the base's answers
+    # what its collectives do: Config.capabilities)
 
     @dataclass
     class Config(SystemConfig):
@@ -54,6 +55,13 @@ class WrappedDispatcher(Dispatcher):
 
         # the wrapper is its base plus a routing transform: what a run asks of a system
         # beyond the transform is the base's answer
+        def capabilities(self):
+            """The wrapper's record for what the transform decides (exactness, dropped pairs),
+            the base's for what the base's collectives do."""
+            own, base = super().capabilities(), self.base_config().capabilities()
+            return dataclasses.replace(own, impl=base.impl, precision=base.precision, co_execution=base.co_execution,
+                                       yields=base.yields, traffic_plan=base.traffic_plan, migration=base.migration)
+
         def impl_for(self, world_size: int) -> str:
             return self.base_config().impl_for(world_size)
 

@@ -81,6 +81,9 @@ class PretrainConf:
     tokenizer_vocab: int = 4096
     corpus: str = "shakespeare"
     eval_every: int = 250
+    # the held-out figures after training (loss, accuracy, expert loads): the first N batches of
+    # 16 validation windows (null: the whole validation split, about 100 batches of the shakespeare corpus)
+    eval_batches: Optional[int] = None
     # CPU threads of the pre-training process: float sums are ordered by the thread count,
     # so the checkpoint is bit-for-bit the same on one machine only at the same count
     threads: int = 2
@@ -179,13 +182,17 @@ def system_yamls(conf_dirs: Sequence[Path]) -> dict:
 
 def _schema_of(path: Path):
     """The typed config class named by a system YAML's ``_target_`` (None when it cannot be
-    imported: validation then reports why)."""
+    imported: validation then reports why). A class without its own capability record
+    fails here, at registration (:class:`occult.ep.capabilities.NoCapabilities`)."""
+    from .ep.capabilities import NoCapabilities
     from .ep.system import import_object, system_schema
     from .errors import ConfigError
 
     target = (yaml.safe_load(path.read_text()) or {}).get("_target_", "")
     try:
         return system_schema(import_object(target))
+    except NoCapabilities:
+        raise
     except (ImportError, AttributeError, ValueError, ConfigError):
         return None
 

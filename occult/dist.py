@@ -35,7 +35,7 @@ import time
 import traceback
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -196,10 +196,15 @@ HOST_MEMORY_CACHE = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESH
 RANK_START_ENV = "OCCULT_RANK_START"
 RANK_PRELOAD = ["torch", "torch.distributed", "occult.dist", "occult.ep", "occult.parity", "occult.tasks.common",
                 "occult.models.runtime"]
+# and, for a launch of whole-model ranks, transformers' model code (about 3 s of CPU a rank
+# otherwise, every rank of every run): only the first launch of a process starts the server,
+# so a process that launches a layer task first forks its later whole-model ranks without it
+WHOLE_MODEL_PRELOAD = ["transformers.modeling_utils"]
 
 
-def _rank_processes(host_memory_cache: bool):
-    """The multiprocessing context that starts this launch's ranks (see RANK_START_ENV)."""
+def _rank_processes(host_memory_cache: bool, preload: Sequence[str] = ()):
+    """The multiprocessing context that starts this launch's ranks (see RANK_START_ENV);
+    ``preload``: modules the fork server imports besides RANK_PRELOAD when it starts."""
     method = os.environ.get(RANK_START_ENV, "forkserver")
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"{RANK_START_ENV}={method!r}: allowed values are ['forkserver', 'spawn']")
@@ -208,7 +213,7 @@ def _rank_processes(host_memory_cache: bool):
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(RANK_PRELOAD)
+    ctx.set_forkserver_preload([*RANK_PRELOAD, *preload])
     added = {k: v for k, v in HOST_MEMORY_CACHE.items() if k not in os.environ}
     os.environ.update(added)                 # the server reads them when it starts
     try:
@@ -302,7 +307,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: i
            timeout_s: float = 600.0, collective_timeout_s: float = 120.0, threads: int = 0,
            backend: str = "gloo", default_device: Optional[str] = None,
            host_memory_cache: bool = True, devices_per_node: int = 0,
-           single_rank_collectives: bool = False) -> list:
+           single_rank_collectives: bool = False, preload: Sequence[str] = ()) -> list:
     """Runs ``fn(ctx, *args)`` on ``world_size`` ranks; returns the results in rank order.
 
     In a launcher's world (torchrun, a submitit job) the current process is one rank: the
@@ -316,7 +321,8 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: i
     ``devices_per_node``: how the ranks are grouped into nodes (``cluster.devices_per_node``;
     0: one node), which ``ctx.ep`` carries for systems that stage their exchange by node.
     ``single_rank_collectives``: a world of one rank runs the backend's collectives
-    (:class:`occult.ep.comm.EPGroup`).
+    (:class:`occult.ep.comm.EPGroup`). ``preload``: modules the ranks' fork server imports
+    when this launch starts it (e.g. :data:`WHOLE_MODEL_PRELOAD`).
     """
     layout = {"devices_per_node": devices_per_node, "single_rank_collectives": single_rank_collectives}
     world = job_world()
@@ -327,7 +333,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), *, seed: i
                               threads or default_threads(world.local_world_size), backend, default_device,
                               layout)
     threads = threads or default_threads(world_size)
-    ctx = _rank_processes(host_memory_cache)
+    ctx = _rank_processes(host_memory_cache, preload)
     results, errors = ctx.Queue(), ctx.Queue()
     port = _free_port()
     added = {k: v for k, v in HOST_MEMORY_CACHE.items() if k not in os.environ} if host_memory_cache else {}

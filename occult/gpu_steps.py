@@ -341,11 +341,12 @@ def _static_step_rank(ctx, cfg_dict: dict) -> dict:
     from .ep import Recorder
     from .ep.accounting import recording
     from .ep.static import dynamic_calls
-    from .tasks.model import DecodeWorkload, setup
+    from .tasks.model import DecodeWorkload, call_tokens, setup
     cfg = OmegaConf.create(cfg_dict)
-    model, tok, rows = setup(ctx, cfg)
+    model, tok, rows = setup(ctx, cfg, call_tokens(cfg))
     work = DecodeWorkload(ctx, cfg, tok, model)
-    rec = Recorder(rank=ctx.rank)
+    # times by device marks read after the step: a synchronised clock would itself be a host sync
+    rec = Recorder(rank=ctx.rank, marks=True)
 
     def next_inputs(outs):
         return [{"input_ids": o.logits[:, -1].argmax(-1, keepdim=True), "cache": o.cache, "use_cache": True}

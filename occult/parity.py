@@ -11,11 +11,11 @@ Shapes: T tokens, D hidden, E experts, K top-k, P ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as nnf
 
 from .ep import GateRule, MoELayer, Placement, Recorder, ReferenceMoE, devices_per_token, init_expert_weights, system_config
 from .ep.replicas import sum_replica_gradients
@@ -214,16 +214,35 @@ def run_grid(ctx, jobs: list) -> list:
     return out
 
 
+def lm_loss(logits_BSV: torch.Tensor, ids_BS: torch.Tensor) -> torch.Tensor:
+    """The causal LM loss of ``logits`` on the sequences ``ids`` (each position predicting the
+    next token; the mean over positions, as transformers' ``labels=ids``), float32 at least."""
+    logits = logits_BSV[:, :-1].flatten(0, 1)
+    return nnf.cross_entropy(logits.float() if logits.dtype.itemsize < 4 else logits, ids_BS[:, 1:].flatten())
+
+
 def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_size: int = 256,
-                placements: Optional[dict] = None) -> dict:
+                placements: Optional[dict] = None, system=None, wrap: Optional[Callable] = None,
+                forward_tolerance: Optional[float] = None, backward: bool = True,
+                inspect: Optional[Callable] = None) -> dict:
     """An expert-parallel model against the single-device model on the concatenation of
     all ranks' sequences: logits, loss, and the gradients of every weight (replicated
     weights after data-parallel averaging; experts against the reference's slice, a copied
     expert's after the sum over its copies).
 
-    ``cfg_dict`` holds ``model``, ``system`` and ``seed`` (and optionally ``task``:
-    ``microbatches`` co-executed, ``grad_sync``'s schedule); weights are random (seeded);
-    ``placements``: ``{layer: placement}`` overriding the system's (e.g. EPLB's slots).
+    ``cfg_dict`` holds ``model`` (in its ``dtype``; float64 runs transformers' experts as
+    batched matmuls, as their grouped matmul takes no float64), ``system`` (or the argument
+    ``system``: a system config) and ``seed`` (and optionally ``task``: ``microbatches``
+    co-executed, ``grad_sync``'s schedule); weights are random (seeded); ``placements``:
+    ``{layer: placement}`` overriding the system's (e.g. EPLB's slots); ``wrap``: the rank
+    model -> what runs it (a model called with ``input_ids`` whose output has ``logits``,
+    e.g. sequence migration's), compared by the rank model's weights. ``forward_tolerance``:
+    when some rank's logits or loss are off by more than it, the check ends before the
+    backward (whose graph a wrong forward may have tangled), returning those two errors,
+    ``backward`` False and ``forward_agrees`` False (on every rank); ``backward=False``: the
+    forward alone, without autograd (an inference run's check), the same two errors.
+    ``inspect(model, recorder)``: what else to read of the run (a dict, under ``inspected``),
+    once it has ended.
     """
     import copy
 
@@ -243,27 +262,42 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     ids = ids_all[rank * batch_per_rank:(rank + 1) * batch_per_rank]
 
     ref = base_model(cfg, vocab_size, device=ctx.device)
-    model = make_rank_model(ctx, copy.deepcopy(ref), cfg, placements, tokens_per_rank=batch_per_rank * seq_len)
-    ref_out = ref(input_ids=ids_all, labels=ids_all)
-    ref_out.loss.backward()
+    if cfg.model.get("dtype") == "float64":
+        ref.set_experts_implementation("batched_mm")
+    model = make_rank_model(ctx, copy.deepcopy(ref), cfg, placements, system=system,
+                            tokens_per_rank=batch_per_rank * seq_len)
+    runs = wrap(model) if wrap is not None else model
+    with torch.set_grad_enabled(backward):
+        ref_logits = ref(input_ids=ids_all).logits
+        ref_loss = lm_loss(ref_logits, ids_all)
+    if backward:
+        ref_loss.backward()
     rec = Recorder(rank=rank)
     task = cfg_dict.get("task", {})          # the schedules under test: micro-batches, gradient sync
     sync = GradSync(ctx, model, task.get("grad_sync", "end"),
-                    **{k: task[k] for k in ("bucket_bytes", "partition_bytes") if k in task})
+                    **{k: task[k] for k in ("bucket_bytes", "partition_bytes") if k in task}) if backward else None
     ids_m = micro_batches(ids, task.get("microbatches", 1))
-    with recording(rec):
-        outs = forward_micro_batches(model, ctx.device, [{"input_ids": x, "labels": x} for x in ids_m])
-    losses = [out.loss * (x.shape[0] / ids.shape[0]) for out, x in zip(outs, ids_m)]
-    synced = sync.backward(losses)
-    out = SimpleNamespace(logits=torch.cat([o.logits for o in outs]))
+    with recording(rec), torch.set_grad_enabled(backward):
+        outs = forward_micro_batches(runs, ctx.device, [{"input_ids": x} for x in ids_m])
+    losses = [lm_loss(out.logits, x) * (x.shape[0] / ids.shape[0]) for out, x in zip(outs, ids_m)]
+    logits = torch.cat([o.logits for o in outs])
     loss = sum(l.detach() for l in losses)
     if P > 1:
         dist.all_reduce(loss, group=ctx.ep.group)
         loss /= P
-
-    errors = {"logits": _rel_err(out.logits.detach(),
-                                 ref_out.logits.detach()[rank * batch_per_rank:(rank + 1) * batch_per_rank]),
-              "loss": abs(loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item())}
+    errors = {"logits": _rel_err(logits.detach(),
+                                 ref_logits.detach()[rank * batch_per_rank:(rank + 1) * batch_per_rank]),
+              "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())}
+    agrees = True
+    if forward_tolerance is not None:
+        worst_forward = torch.tensor([max(errors.values())], dtype=torch.float64, device=ctx.device)
+        if P > 1:
+            dist.all_reduce(worst_forward, op=dist.ReduceOp.MAX, group=ctx.ep.group)
+        agrees = worst_forward.item() <= forward_tolerance    # the same on every rank
+    if not (agrees and backward):                             # every rank stops here together
+        return {"errors": errors, "backward": False, "forward_agrees": agrees,
+                **({"inspected": inspect(model, rec)} if inspect is not None else {})}
+    synced = sync.backward(losses)
     ref_params = dict(ref.named_parameters())
     worst = 0.0
     for name, p in model.named_parameters():
@@ -286,10 +320,11 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     sent = {}
     for ev in rec.comm:
         sent[(ev.phase, ev.direction)] = sent.get((ev.phase, ev.direction), 0) + sum(ev.rows_P)
-    return {"errors": errors, "sent_rows": sent, "grad_sync": synced,
+    return {"errors": errors, "backward": True, "forward_agrees": agrees, "sent_rows": sent, "grad_sync": synced,
             "exposed_comm_spans": sum(name == "exposed_comm" for _, name, _, _ in rec.spans),
             "forward_collectives": sum(ev.direction == "forward" for ev in rec.comm),
-            "routing": [(layer, ids_TK) for layer, ids_TK, *_ in rec.routing]}
+            "routing": [(layer, ids_TK) for layer, ids_TK, *_ in rec.routing],
+            **({"inspected": inspect(model, rec)} if inspect is not None else {})}
 
 
 class _GradView:

@@ -20,7 +20,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from .dist import RankFailed, broadcast_from_rank0, job_world, join_job_world, launch
+from .dist import WHOLE_MODEL_PRELOAD, RankFailed, broadcast_from_rank0, job_world, join_job_world, launch
 from .ep import import_object, system_config
 from .ep.measure import clock_name
 from .errors import ConfigError
@@ -163,7 +163,8 @@ def run(cfg: DictConfig, out_dir, overrides: tuple = ()) -> Path | None:
     per_rank = launch(entry, ranks, (cfg_dict,), seed=cfg.seed,
                       timeout_s=c.run_timeout_s, collective_timeout_s=c.collective_timeout_s,
                       threads=c.threads_per_rank, backend=c.backend, host_memory_cache=c.host_memory_cache,
-                      devices_per_node=layout, single_rank_collectives=c.single_rank_collectives)
+                      devices_per_node=layout, single_rank_collectives=c.single_rank_collectives,
+                      preload=WHOLE_MODEL_PRELOAD if task.whole_model else ())
     if not leader:               # rank 0 writes
         return None
     rows = [r for rank_rows in per_rank for r in rank_rows]

@@ -148,7 +148,7 @@ def _refuse_system(t, overrides: Sequence[str]) -> None:
     given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "system"]
     if given:
         instead = (" name the systems to compare in task.compare=[...] (conf/system names or "
-                   "{name: ..., option: ...} configs)" if hasattr(t, "compare") else "")
+                   "{name: ..., option: ...} configs)" if "compare" in t.option_names() else "")
         raise ConfigError(f"{given[0]}: task={t.name} does not run the top-level system (it is not "
                           f"hashed either);{instead or ' leave system unset'}")
 
@@ -159,10 +159,9 @@ def _replica_notes(cfg, t) -> list[str]:
         return []
     from .ep import system_config
     config = system_config(cfg.system)
-    if not hasattr(config, "replica_note"):
+    if not config.slot_placements:
         return []
-    has_copies = t.has_copies() if hasattr(t, "has_copies") else False
-    note = config.replica_note(has_copies)
+    note = config.replica_note(t.has_copies())
     return [note] if note else []
 
 

@@ -6,10 +6,23 @@ import torch
 import torch.distributed as dist
 
 from baselines.naive import NaiveDispatcher, NaiveHandle
+from occult.ep.capabilities import Capabilities
+from occult.ep.payload import PAYLOADS
+from occult.ep.replica_rules import REPLICA_POLICIES
 
 
 class WeightlessDispatcher(NaiveDispatcher):
     """Naive EP that forgets the gate weights: the parity check must catch it."""
+
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch=True,
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=REPLICA_POLICIES, payloads=PAYLOADS, dropped_pairs=True,
+        shortcut_overlap=False)
 
     def combine(self, y_RD, handle: NaiveHandle):
         ones = torch.ones_like(handle.weight_R)
@@ -68,6 +81,16 @@ def kill_rank(ctx, bad_rank: int):
 class HostOnlyDispatcher(NaiveDispatcher):
     """Naive EP that makes one index tensor without the device of its inputs (an
     ``arange`` on torch's default device): the device test must catch it."""
+
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch=True,
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=REPLICA_POLICIES, payloads=PAYLOADS, dropped_pairs=True,
+        shortcut_overlap=False)
 
     def combine(self, y_RD, handle: NaiveHandle):
         order_R = torch.arange(handle.token_R.numel())          # no device=: the defect

@@ -7,7 +7,9 @@ Shapes: T tokens of this rank, D hidden, E experts, K top-k, B hash bits.
 """
 import torch
 
-from occult.ep import MoELayer, Placement, Recorder, system_config
+import torch.distributed as dist
+
+from occult.ep import MoELayer, Placement, Recorder, ReferenceMoE, system_config
 from occult.ep.router import TopKRouter
 from occult.parity import LayerCase, make_problem
 
@@ -143,7 +145,56 @@ def lossy_checks(ctx, jobs: list) -> list:
     return out
 
 
-def lossy_world(ctx, grid_jobs: list, lossy_jobs: list) -> tuple:
-    """One world for both: :func:`occult.parity.run_grid` and :func:`lossy_checks`."""
+def repeated_rows(tokens: tuple) -> torch.Tensor:
+    """Each rank's tokens made to repeat: rank r's token j is its token j mod ceil(n_r / 2)
+    (so every token but maybe one appears twice on its rank). The global row of each. [T]."""
+    rows, lo = [], 0
+    for n in tokens:
+        rows.append(lo + torch.arange(n) % max((n + 1) // 2, 1))
+        lo += n
+    return torch.cat(rows)
+
+
+def on_repeats(ctx, system: dict, case: LayerCase) -> dict:
+    """``system`` on ``case``'s tokens made to repeat (:func:`repeated_rows`; the router routes,
+    so a repeated token goes where its first copy goes) against the single-device reference,
+    forward and backward (the case's random upstream gradient, a different one for each
+    copy): relative errors of the output, the router's and this rank's experts' gradients,
+    the input gradient per token and summed over the copies of each token; the rows the
+    dispatch sent and the pairs."""
+    placement = Placement.contiguous(case.num_experts, ctx.world_size).to(ctx.device)
+    prob = make_problem(case, placement, ctx.device)
+    row_T = repeated_rows(case.tokens).to(ctx.device)
+    x_all = prob.x_TD[row_T]
+    lo = sum(case.tokens[:ctx.rank])
+    hi = lo + case.tokens[ctx.rank]
+    ref = ReferenceMoE(prob.router_ED, prob.experts, case.top_k, rule=case.gate_rule)
+    x_ref = x_all.clone().requires_grad_(True)
+    out_ref = ref(x_ref, None)
+    (out_ref * prob.grad_TD).sum().backward()
+
+    dispatcher = system_config(system).build(ctx.ep, 0, case.num_experts, placement)
+    layer = MoELayer.from_global(prob.router_ED, prob.experts, case.top_k, dispatcher, rule=case.gate_rule)
+    x = x_all[lo:hi].clone().requires_grad_(True)
+    rec = Recorder(rank=ctx.rank)
+    out = layer(x, rec, None)
+    (out * prob.grad_TD[lo:hi]).sum().backward()
+    grad_router = layer.router.weight.grad.clone()
+    dist.all_reduce(grad_router, group=ctx.ep.group)
+    local = dispatcher.local_expert_ids
+    copies = lambda g_TD: torch.zeros_like(g_TD).index_add_(0, row_T[lo:hi] - lo, g_TD)   # summed over copies
+    dispatch = [ev for ev in rec.comm if ev.phase == "dispatch" and ev.direction == "forward"]
+    return {"out": _rel(out.detach(), out_ref.detach()[lo:hi]),
+            "grad_router": _rel(grad_router, ref.router.weight.grad),
+            **{f"grad_{k}": _rel(getattr(layer.experts, k).grad, getattr(ref, k).grad[local])
+               for k in ("w_gate", "w_up", "w_down")},
+            "grad_x": _rel(x.grad, x_ref.grad[lo:hi]),
+            "grad_x_over_copies": _rel(copies(x.grad), copies(x_ref.grad[lo:hi])),
+            "sent_rows": sum(sum(ev.rows_P) for ev in dispatch), "pairs": (hi - lo) * case.top_k}
+
+
+def lossy_world(ctx, grid_jobs: list, lossy_jobs: list, repeat_jobs: list = ()) -> tuple:
+    """One world for all: :func:`occult.parity.run_grid`, :func:`lossy_checks` and
+    :func:`on_repeats` (``[(system dict, case), ...]``)."""
     from occult.parity import run_grid
-    return run_grid(ctx, grid_jobs), lossy_checks(ctx, lossy_jobs)
+    return run_grid(ctx, grid_jobs), lossy_checks(ctx, lossy_jobs), [on_repeats(ctx, s, c) for s, c in repeat_jobs]

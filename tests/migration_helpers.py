@@ -3,6 +3,8 @@ model (float64, naive EP) run with and without sequence migration on the same ba
 
 Shapes: B sequences per rank, S length, D hidden, V vocabulary, P ranks.
 """
+from typing import Optional
+
 import torch
 import torch.nn.functional as nnf
 from omegaconf import OmegaConf
@@ -83,9 +85,11 @@ def profiled_table(ctx, x_BS):
     return model.table_VP
 
 
-def models_and_migration(ctx, jobs: list, migration: bool, scmoe: dict) -> tuple:
+def models_and_migration(ctx, jobs: list, migration: bool, scmoe: dict, olmoe: Optional[dict] = None) -> tuple:
     """One world for all: :func:`occult.parity.run_model_grid`, when asked
-    :func:`migration_world` (None otherwise), and ScMoE's schedules on model config ``scmoe``
-    (:func:`scmoe_helpers.schedule_world`)."""
-    from scmoe_helpers import schedule_world
-    return run_model_grid(ctx, jobs), migration_world(ctx) if migration else None, schedule_world(ctx, scmoe)
+    :func:`migration_world` (None otherwise), ScMoE's schedules on model config ``scmoe``
+    (:func:`scmoe_helpers.schedule_world`) and, with ``olmoe``, the runs' whole-model gate
+    (:func:`scmoe_helpers.gate_world`; None otherwise)."""
+    from scmoe_helpers import gate_world, schedule_world
+    return (run_model_grid(ctx, jobs), migration_world(ctx) if migration else None, schedule_world(ctx, scmoe),
+            gate_world(ctx, scmoe, olmoe) if olmoe else None)

@@ -1,9 +1,10 @@
 """Rank functions for tests/test_models.py (importable by spawned ranks): the shortcut-
 connected model (ScMoE) under its overlapped schedule (system=scmoe) and step by step
-(system=naive), float64, on the same batch.
+(system=naive), float64, on the same batch; the runs' whole-model parity gate.
 
 Shapes: B sequences per rank, S length, V vocabulary.
 """
+import contextlib
 import copy
 
 import torch
@@ -15,6 +16,7 @@ from occult.ep.accounting import recording
 from occult.models.build import hf_config, init_model, to_expert_parallel
 from occult.models.families import family_of, gate_rule
 from occult.models.runtime import sync_gradients
+from occult.models.shortcut import Shortcut, ShortcutMLP
 
 B, S, V = 2, 6, 48
 SCHEDULES = {"step_by_step": {"name": "naive", "_target_": "baselines.naive.NaiveDispatcher"},
@@ -53,4 +55,57 @@ def schedule_world(ctx, m: dict) -> dict:
     with torch.no_grad():      # float32: the transformers experts' grouped matmul takes no float64
         out["no_shortcut_diff"] = (model.float()(input_ids=x_BS).logits
                                    - plain.float()(input_ids=x_BS).logits).abs().max().item()
+    return out
+
+
+class _SharedCarrier(Shortcut):
+    """One Shortcut for every forward of a model, keeping its last representation: issue
+    38's defect 2 (the strands shared one carrier per model), emulated without the crash a
+    strand reading after the other's last block would meet."""
+
+    @property
+    def previous(self):
+        return self._previous
+
+    @previous.setter
+    def previous(self, value):
+        if value is not None or not hasattr(self, "_previous"):
+            self._previous = value
+
+
+@contextlib.contextmanager
+def shared_carrier():
+    """While open, every ShortcutMLP reads and writes its model's one :class:`_SharedCarrier`."""
+    carriers, own = {}, ShortcutMLP._carrier
+    ShortcutMLP._carrier = lambda self: carriers.setdefault(id(self._chain), _SharedCarrier(self._chain))
+    try:
+        yield
+    finally:
+        ShortcutMLP._carrier = own
+
+
+def gate_world(ctx, scmoe: dict, olmoe: dict) -> dict:
+    """The runs' whole-model gate (:func:`occult.tasks.common.model_parity_gate`): the
+    shortcut-connected model ``scmoe`` on naive with two micro-batches, training (forward
+    and backward) and prefill (forward), and prefill with the shared carrier (the layer
+    gate run on that too); the OLMoE model ``olmoe`` training with sequence migration (the
+    task's own wrapper). Each entry: the gate's rows, or the AssertionError's message."""
+    from occult.tasks.common import model_parity_gate, parity_gate
+    from occult.tasks.model import model_runner
+
+    def config(m: dict, task: dict):
+        return OmegaConf.create({"model": m, "seed": 1, "task": {"parity_tokens": 16, "check_parity": True, **task}})
+
+    def gate(cfg):
+        try:
+            return model_parity_gate(ctx, cfg, SCHEDULES["step_by_step"], None, model_runner(ctx, cfg))
+        except AssertionError as exc:
+            return str(exc)
+
+    co_executed = config(scmoe, {"name": "prefill", "microbatches": 2})
+    out = {"shortcut": gate(config(scmoe, {"name": "train", "microbatches": 2})), "shortcut_prefill": gate(co_executed),
+           "migration": gate(config(olmoe, {"name": "train", "migration": True}))}
+    with shared_carrier():
+        out["shared_carrier_layer"] = parity_gate(ctx, co_executed, SCHEDULES["step_by_step"], "router")
+        out["shared_carrier"] = gate(co_executed)
     return out

@@ -1,7 +1,5 @@
 """Rank functions of the static-dispatch tests (importable by the ranks): a step run with
-every host read of a tensor refused (:func:`no_host_reads`)."""
-from contextlib import contextmanager
-
+what would synchronise a GPU refused (:func:`occult.ep.host_sync.no_host_sync`)."""
 import torch
 
 NAIVE, OCCULT = "baselines.naive.NaiveDispatcher", "occult.collab.dispatcher.OccultDispatcher"
@@ -26,47 +24,35 @@ def check_static_decode(rows: list, rank: int, label: str, static: bool = True) 
         assert padding[0] > 0, (label, padding)
 
 
-class HostRead(RuntimeError):
-    """A tensor was read on the host inside :func:`no_host_reads`."""
+# what the tests put back into a static step (at the start of a function of its path): each
+# something that synchronises a GPU, which the guard must name (occult.ep.host_sync)
+INJECTIONS = {
+    "item": (lambda t: t.max().item(), "Tensor.item reads"),
+    "to cpu": (lambda t: t.to("cpu"), "Tensor.to names a device"),
+    "equal": (lambda t: torch.equal(t, t), "torch.equal answers on the host"),
+    "allclose": (lambda t: torch.allclose(t.double(), t.double()), "torch.allclose answers on the host"),
+    "nonzero": (lambda t: t.nonzero(), "torch.nonzero makes an output whose shape"),
+    "mask": (lambda t: t[t > 0], "Tensor.__getitem__ with a boolean mask"),
+    "unique": (lambda t: torch.unique(t), "torch.unique makes"),
+    "bincount": (lambda t: torch.bincount(t.flatten().clamp_min(0)), "torch.bincount makes"),
+    "repeat_interleave": (lambda t: torch.repeat_interleave(t.flatten().clamp_min(0)), "torch.repeat_interleave"),
+}
 
 
-# what reads a tensor's values on the host: a scalar or list out of it, a NumPy view, a
-# Python number or truth value of it, and a copy to the host
-READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__", "cpu")
+def slot_placement(E: int, P: int):
+    """EPLB's slots for E experts on P devices (the real library, a skewed seeded load, E / 4
+    redundant: copies, some on one device), on the host."""
+    from occult.placement.eplb import eplb_placements
+    load_E = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.5
+    return eplb_placements({0: load_E}, E // 4, P)[0]
 
 
-@contextmanager
-def no_host_reads():
-    """Inside, every host read of a tensor (:data:`READS`, and ``.to`` the host from another
-    device) raises :class:`HostRead` naming it; restored after."""
-    saved = {name: getattr(torch.Tensor, name) for name in READS + ("to",)}
-
-    def refuse(name):
-        def read(self, *args, **kwargs):
-            raise HostRead(f"Tensor.{name} read a tensor on the host inside a static step")
-        return read
-
-    def to(self, *args, **kwargs):
-        target = kwargs.get("device", args[0] if args else None)
-        if isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu" \
-                and self.device.type != "cpu":
-            raise HostRead("Tensor.to copied a device tensor to the host inside a static step")
-        return saved["to"](self, *args, **kwargs)
-    try:
-        for name in READS:
-            setattr(torch.Tensor, name, refuse(name))
-        torch.Tensor.to = to
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
-
-
-def _layer(ctx, system: dict, case):
+def _layer(ctx, system: dict, case, slots: bool):
     from occult.ep import MoELayer, Placement, system_config
     from occult.parity import make_problem
 
-    placement = Placement.contiguous(case.num_experts, ctx.world_size).to(ctx.device)
+    placement = (slot_placement(case.num_experts, ctx.world_size) if slots
+                 else Placement.contiguous(case.num_experts, ctx.world_size)).to(ctx.device)
     prob = make_problem(case, placement, ctx.device)
     config = system_config(system).sized(max(case.tokens), force=True)
     layer = MoELayer.from_global(prob.router_ED, prob.experts, case.top_k,
@@ -75,35 +61,75 @@ def _layer(ctx, system: dict, case):
     return layer, prob.x_TD[lo:lo + case.tokens[ctx.rank]].clone().requires_grad_(True)
 
 
+def _block(ctx, system: dict, slots: bool, tokens: int = 3):
+    """A tiny OLMoE proxy's first MoE block as an expert-parallel block of ``system`` (E = 8,
+    K = 2, float64, fixed buffers of ``tokens`` + 1 tokens), and this rank's hidden states."""
+    from omegaconf import OmegaConf
+    from occult.ep import system_config
+    from occult.models.build import hf_config, init_model, moe_blocks
+    from occult.models.ep_block import EPMoEBlock
+    from occult.models.families import family_of, gate_rule
+
+    m = OmegaConf.create({"family": "olmoe", "num_experts": 8, "top_k": 2, "hidden_size": 16,
+                          "expert_ffn_size": 8, "num_layers": 1, "num_heads": 2, "init": "random"})
+    fam = family_of("olmoe")
+    model = init_model(fam, hf_config(m, 32), 0).double()
+    placement = slot_placement(8, ctx.world_size).to(ctx.device) if slots else None
+    config = system_config(system).sized(tokens + 1, force=True)      # padding travels too
+    _, _, hf_block = moe_blocks(model, fam)[0]
+    block = EPMoEBlock(hf_block, fam, config.build(ctx.ep, 0, 8, placement), 0, gate_rule(m)).to(ctx.device)
+    g = torch.Generator(device="cpu").manual_seed(ctx.rank)
+    return block, torch.randn(1, tokens, 16, generator=g, dtype=torch.float64).to(ctx.device).requires_grad_(True)
+
+
+def _where(err: Exception) -> str:
+    """The harness's innermost frame in ``err``'s traceback (file:line function)."""
+    import traceback
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if ("/occult/" in f.filename or "/baselines/" in f.filename) and "host_sync" not in f.filename]
+    f = frames[-1] if frames else None
+    return f"{f.filename.rsplit('/', 2)[-2:]}:{f.lineno} {f.name}" if f else ""
+
+
 def guarded_steps(ctx, jobs: list) -> dict:
-    """Each ``(label, system dict, case, inject)``: one forward and backward of the system's
-    layer with host reads refused; ``inject``: a dotted function of the step's path wrapped
-    to call ``.item()`` first (a host read put back). Returns {label: "ok" or the error}
-    and, for the steps that ran, the valid / wire rows they logged."""
+    """Each ``(label, system dict, case, where)``: one forward and backward of the system's
+    layer under :func:`occult.ep.host_sync.no_host_sync`, its recorder timing by marks.
+    ``where``: ``layer`` / ``slots`` (an MoELayer on the contiguous placement / on EPLB's
+    slots), ``block`` / ``block slots`` (a model's EPMoEBlock, ``case`` unused), ``clock`` (the
+    layer with a recorder on the synchronised clock), or ``inject:<name>:<dotted function>``
+    (the layer with :data:`INJECTIONS` [name] run first in that function of the step's path).
+    Returns {label: ("ok", the valid / wire rows the step logged) or (the error, where raised)}."""
     from occult.ep import Recorder, import_object
+    from occult.ep.accounting import recording
+    from occult.ep.host_sync import HostSync, no_host_sync
     from occult.tasks.common import comm_rows
 
     out = {}
-    for label, system, case, inject in jobs:
-        layer, x = _layer(ctx, system, case)
-        rec = Recorder(rank=ctx.rank)
-        module, _, name = inject.rpartition(".")
-        real = import_object(inject) if inject else None
+    for label, system, case, where in jobs:
+        kind, _, inject = where.partition(":")
+        if kind.startswith("block"):
+            layer, x = _block(ctx, system, kind == "block slots")
+        else:
+            layer, x = _layer(ctx, system, case, kind == "slots")
+        rec = Recorder(rank=ctx.rank, marks=kind != "clock")
+        name, _, target = inject.partition(":")
+        module, _, attr = target.rpartition(".")
+        real = import_object(target) if inject else None
         if inject:
-            def with_item(*args, _real=real, **kwargs):
-                args[0].max().item()            # the host read put back
+            def with_sync(*args, _real=real, _fn=INJECTIONS[name][0], **kwargs):
+                _fn(args[0])                    # the synchronisation put back
                 return _real(*args, **kwargs)
-            setattr(import_object(module), name, with_item)
+            setattr(import_object(module), attr, with_sync)
         try:
-            with no_host_reads():
-                out_TD = layer(x, rec)
+            with no_host_sync(), recording(rec):
+                out_TD = layer(x) if kind.startswith("block") else layer(x, rec)
                 (out_TD * out_TD).sum().backward()
             rows = comm_rows(rec)
             out[label] = ("ok", {m: sum(r["value"] for r in rows if r["metric"] == m)
                                  for m in ("rows", "valid_rows", "padding_wire_rows")})
-        except HostRead as err:
-            out[label] = (str(err), {})
+        except HostSync as err:
+            out[label] = (str(err), {"raised at": _where(err)})
         finally:
             if inject:
-                setattr(import_object(module), name, real)
+                setattr(import_object(module), attr, real)
     return out

@@ -411,6 +411,21 @@ def test_grids_sweeper_expands_a_union():
     assert len(points) == 2 * 2 + 1
 
 
+def test_a_long_point_keeps_the_folder_the_command_line_names():
+    """A point whose overrides would name a folder past the limit gets a short name with a
+    digest, unless the command line names its folder (``hydra.sweep.subdir=...``)."""
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.occult_sweepers.grids_sweeper import MAX_FOLDER_NAME, GridsSweeper
+
+    point = [f"model.hidden_size={'1' * MAX_FOLDER_NAME}"]
+    sw = GridsSweeper(max_batch_size=None, params={})
+    for subdir, shortened in (("${hydra.job.override_dirname}", True), ("placement_p4", False)):
+        sw.config = OmegaConf.create({"hydra": {"job": {"config": {"override_dirname": {"exclude_keys": []}}},
+                                                "sweep": {"subdir": subdir}}})
+        assert (sw._short_folder(point) != point) == shortened, subdir
+
+
 def test_every_experiments_sweeper_instantiates_and_refers_to_its_points():
     """Hydra instantiates the sweeper from the composed config (resolving it); a grid's
     reference to its point's config (``%{...}``) must survive that and reach the point."""
@@ -839,3 +854,42 @@ def test_a_summary_shows_every_column_in_which_its_runs_differ(tmp_path):
     summary = dict(section.tables)["summary"]
     assert "batch_size" in summary and sorted(summary.batch_size) == [4, 8]
     assert "seq_len" not in summary                   # the same in both: not shown
+
+
+def test_report_words_and_tables_a_person_reads(tmp_path):
+    """The summary shows only the options in which its rows differ (the CSV keeps the JSON), no
+    folder paths, and says "measured on this machine" only of timed runs, "simulated" of
+    clock=simulated ones; a long per-point table goes to its CSV only."""
+    import json
+
+    from analysis.report import overview
+    from analysis.sections import Section, section_lines
+    from occult.records import CONTEXT_COLUMNS, make_frame, row, write_results
+
+    def one(name, system, options, clock, rows):
+        context = {c: 0 for c in CONTEXT_COLUMNS}
+        context.update(run_id=f"x/{name}", experiment="x", system=system, impl="harness", label="", model="m",
+                       system_options=json.dumps(options), init="random", task="layer", cluster="cpu4",
+                       routing="uniform", clock=clock, tokens_per_rank=8)
+        write_results(make_frame(rows, context), tmp_path / "runs" / name)
+
+    defaults = {"dispatch_mode": "dynamic", "payload": "none", "fused": True}
+    one("a", "occult", {**defaults, "budget": 1}, "host", [row("ct_all", 2.0, "devices/token")])
+    one("b", "occult", {**defaults, "budget": 2}, "host", [row("ct_all", 3.0, "devices/token")])
+    df = load_runs([tmp_path / "runs"])
+    section = overview(df, tmp_path)
+    lines = "\n".join(section_lines(section, tmp_path))
+    assert "| budget=1 " in lines and "dispatch_mode" not in lines and str(tmp_path / "runs") not in lines
+    assert json.loads(pd.read_csv(tmp_path / "summary.csv").system_options.iloc[0])["dispatch_mode"] == "dynamic"
+    assert "measured on this machine" in section.text[1] and "simulated" not in section.text[1]
+    one("c", "naive", {}, "simulated", [row("ct_all", 4.0, "devices/token")])
+    words = overview(load_runs([tmp_path / "runs"]), tmp_path).text[1]
+    assert "the 2 timed run(s) (clock=host)" in words and "The 1 run(s) with clock=simulated timed nothing" in words
+    one("a", "naive", {}, "simulated", [row("ct_all", 4.0, "devices/token")])
+    one("b", "naive", {}, "simulated", [row("ct_all", 4.0, "devices/token")])
+    words = overview(load_runs([tmp_path / "runs"]), tmp_path).text[1]
+    assert "measured" not in words and "simulated" in words
+    long = pd.DataFrame({"tokens": range(100), "lcc": range(100)})
+    lines = section_lines(Section("t", data=[("curves", long)]), tmp_path)
+    assert "**curves**: 100 rows in [curves.csv](curves.csv)" in "\n".join(lines) and "| 99 " not in "\n".join(lines)
+    assert len(pd.read_csv(tmp_path / "curves.csv")) == 100

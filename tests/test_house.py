@@ -35,6 +35,7 @@ TOY_CLASS = '''
 from dataclasses import dataclass
 
 from occult.ep import Exchange, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
+from occult.ep.capabilities import Capabilities
 from occult.ep.permute import expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination
 from occult.ep.permute import weighted_scatter_add
 
@@ -52,6 +53,12 @@ class ToyHandle:
 
 
 class ToySplit(SplitDispatcher):
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch="it has no fixed-buffer dispatch", co_execution=True, yields=True,
+        traffic_plan="it does not implement Dispatcher.plan", migration=True,
+        replica_rules=(), payloads=("fp32",), dropped_pairs=False, shortcut_overlap=False)
+
     @dataclass
     class Config(SystemConfig):
         spare: int = 0          # an option of its own (typed)
@@ -83,7 +90,40 @@ def toy(tmp_path, monkeypatch):
     (tmp_path / "conf" / "system").mkdir(parents=True)
     (tmp_path / "conf" / "system" / "toy.yaml").write_text(TOY_YAML)
     monkeypatch.syspath_prepend(str(tmp_path))
-    return tmp_path
+    for module in ("toy_split", "toy_sub"):           # each test imports its own toy
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    yield tmp_path
+    for module in ("toy_split", "toy_sub"):
+        sys.modules.pop(module, None)
+
+
+CAPABILITIES = TOY_CLASS[TOY_CLASS.index("    capabilities = "):TOY_CLASS.index("    @dataclass")]
+
+
+def test_a_toy_system_without_its_own_capability_record_fails_at_registration(toy):
+    from occult.ep.capabilities import NoCapabilities
+    (toy / "toy_split.py").write_text(textwrap.dedent(TOY_CLASS.replace(CAPABILITIES, "")))
+    with pytest.raises(NoCapabilities) as err:
+        register([toy / "conf"])
+    assert str(err.value).startswith("system class toy_split.ToySplit declares no capabilities")
+    assert "\n" not in str(err.value)
+    # a subclass does not inherit its parent's record: it declares its own or fails
+    (toy / "toy_sub.py").write_text("from toy_split import ToySplit\n\n\nclass Sub(ToySplit):\n    pass\n")
+    (toy / "toy_split.py").write_text(textwrap.dedent(TOY_CLASS))
+    sys.modules.pop("toy_split")
+    (toy / "conf" / "system" / "sub.yaml").write_text("name: sub\n_target_: toy_sub.Sub\n")
+    with pytest.raises(NoCapabilities, match="system class toy_sub.Sub declares no capabilities"):
+        register([toy / "conf"])
+
+
+def test_adding_the_toy_system_adds_its_row_to_the_capability_table_and_nothing_else(toy):
+    from occult.capability_table import DOC, table, with_table
+    committed = DOC.read_text()
+    assert with_table(committed, table()) == committed, "docs/systems.md's table is not the records': make docs-systems"
+    before, after = table().splitlines(), table([toy / "conf"]).splitlines()
+    assert [line for line in after if "`toy`" not in line] == before
+    assert [line for line in after if "`toy`" in line][0].startswith("| `toy` | harness | float64 | yes | yes | yes |")
+    assert "- `toy`, traffic plan: it does not implement Dispatcher.plan." in after
 
 
 def run_py(*args, env=None, check=True, timeout=400):
@@ -287,7 +327,7 @@ def test_pretraining_is_bit_reproducible_whatever_the_callers_threads(tmp_path, 
     model.update(hidden_size=32, expert_ffn_size=16, num_layers=2, num_experts=8, top_k=2, **arch)
     cfg = OmegaConf.create({"model": model, "seed": 3, "pretrain": {
         "steps": 3, "lr": 3e-3, "batch_size": 2, "seq_len": 16, "balance_coef": 0.1, "tokenizer_vocab": 4096,
-        "corpus": "shakespeare", "eval_every": 0, "threads": 2}})
+        "corpus": "shakespeare", "eval_every": 0, "eval_batches": 1, "threads": 2}})
     digests = []
     before = torch.get_num_threads()
     try:

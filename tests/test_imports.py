@@ -7,8 +7,9 @@ may import its own level and any level below:
   0  run.py, occult.main, hydra_plugins, Hydra entry point and sweeper; the GPU check
      occult.gpu_check, its steps (occult.gpu_steps), occult.gpu_wheels
   1  analysis                            reads result tables: reports, figures, cost model
-  2  occult.runner, occult.cli,          compose -> validate -> launch -> write
-     occult.validate, occult.config
+  2  occult.runner, occult.cli,          compose -> validate -> launch -> write; the
+     occult.validate, occult.config,     capability table and the combination matrix
+     occult.capability_table, occult.matrix
   3  occult.tasks, occult.dist           what runs on the ranks, and starting them
   4  occult.models, occult.parity,       whole models, the parity check, data, memory
      occult.data, occult.memory
@@ -37,6 +38,7 @@ LEVELS = {
     "run": 0, "hydra_plugins": 0, "occult.gpu_check": 0, "occult.gpu_steps": 0, "occult.gpu_wheels": 0, "occult.main": 0,
     "analysis": 1,
     "occult.runner": 2, "occult.cli": 2, "occult.validate": 2, "occult.config": 2,
+    "occult.capability_table": 2, "occult.matrix": 2,
     "occult.tasks": 3, "occult.dist": 3,
     "occult.models": 4, "occult.parity": 4, "occult.data": 4, "occult.memory": 4,
     "baselines": 5, "occult.collab": 5,

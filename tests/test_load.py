@@ -164,7 +164,7 @@ def test_a_replica_rule_on_a_placement_without_copies_is_a_note():
     (["task=layer", "task.placement=eplb", "task.num_redundant=3", "model=olmoe_layer", "cluster=cpu4"],
      "task.num_redundant=3: EPLB needs the physical count E + num_redundant = 67 divisible by the 4 GPUs"),
     (["task=layer", "task.num_redundant=8"], "task.num_redundant=8: task=layer does not read it here"),
-    (["task=layer", "task.placement=eplb", "system=allgather"], "task.placement='eplb': system allgather does not "
+    (["task=layer", "task.placement=eplb", "system=allgather"], "task.placement='eplb': system=allgather does not "
                                                                  "run on physical slots"),
     (["task=layer", "system=occult", "system.slack=-0.5"], "system.slack=-0.5: must be >= 0"),
     (["task=layer", "system=naive", "system.replica_policy=nearest"], "system.replica_policy='nearest': allowed "
@@ -213,6 +213,45 @@ def test_the_layer_tasks_eplb_placement_is_built_from_a_profiling_draw_and_writt
     on_eplb = torch.bincount(pl.pair_devices(torch.cat(ids), home_T).flatten(), minlength=4).double()
     assert received_max_over_mean(torch.cat(ids), 64, 4) == pytest.approx(2.0, rel=0.02)
     assert float(on_eplb.max() / on_eplb.mean()) < 1.2
+
+
+def _device_max_over_mean(pl, load_E: torch.Tensor) -> float:
+    """Max / mean of the devices' loads when each expert's load splits evenly over its copies."""
+    per_S = (load_E / pl.copies_E().double())[pl.expert_S]
+    load_P = torch.zeros(pl.num_devices, dtype=torch.float64).index_add_(0, pl.device_S, per_S)
+    return float(load_P.max() / load_P.mean())
+
+
+def test_eplb_balances_as_well_on_several_nodes_as_on_one():
+    """EPLB (and the affinity packing of its counts) on 2, 4 or 8 nodes balances the devices
+    within 10 % of one node: without a model's expert groups EPLB takes its global policy (the
+    nodes are not groups: one group per node pinned each node's E / nodes experts to it, GPU
+    loads [800, 800, 4, 4] on the load below). With the model's groups (model.n_group) it
+    packs them whole onto nodes (its hierarchical policy)."""
+    pytest.importorskip("eplb")
+    from occult.placement.affinity import affinity_placements
+    from occult.placement.eplb import eplb_placements
+    load_E = torch.tensor([200.0] * 8 + [1.0] * 8)          # the issue's example: 16 slots, 2 nodes of 2
+    assert _device_max_over_mean(eplb_placements({0: load_E}, 0, 4, 2)[0], load_E) == pytest.approx(1.0)
+    E, K = 64, 8
+    g = torch.Generator().manual_seed(0)
+    pop_E = (1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2)[torch.randperm(E, generator=g)]
+    ids_NK = torch.multinomial(pop_E.expand(1024, E), K, generator=g)
+    load_E = torch.bincount(ids_NK.flatten(), minlength=E).double()
+    for P, per_node in ((4, 2), (16, 4), (16, 2)):
+        for r in (P, 2 * P):
+            one = _device_max_over_mean(eplb_placements({0: load_E}, r, P)[0], load_E)
+            many = _device_max_over_mean(eplb_placements({0: load_E}, r, P, per_node)[0], load_E)
+            assert many <= 1.1 * one, (P, per_node, r, one, many)
+    for P, per_node in ((4, 2), (16, 4)):         # the affinity packing (a loop over slots): one count
+        one = _device_max_over_mean(affinity_placements({0: ids_NK}, E, P, P)[0], load_E)
+        many = _device_max_over_mean(affinity_placements({0: ids_NK}, E, P, P, per_node)[0], load_E)
+        assert many <= 1.1 * one, ("affinity", P, per_node, one, many)
+    # the model's 8 groups on 4 nodes: each group's slots on one node (EPLB's hierarchical policy)
+    pl = eplb_placements({0: load_E}, 16, 16, 4, num_groups=8)[0]
+    node_S = pl.device_S // 4
+    for group in range(8):
+        assert len(set(node_S[pl.expert_S // 8 == group].tolist())) == 1, group
 
 
 def test_affinity_packing_keeps_eplbs_counts_and_trades_load_for_c_t():
@@ -266,3 +305,17 @@ def test_placement_load_plans_every_arm_and_its_rows_are_the_plans():
             assert recv == torch.bincount(pl.device_S[ruled.pair_slots(ids, home_T)].flatten(), minlength=4).tolist()
         assert value["recv_max_over_mean"] == pytest.approx(max(recv) / (sum(recv) / 4))
         assert value["expert_slots"] == 18
+
+
+def test_the_device_replica_rules_read_the_placements_tables_without_a_host_sync():
+    """round_robin and local_first (the rules a static dispatch takes) choose their copies
+    from the slot placement's tables, computed when it was built: no host read and no shape
+    that depends on the data (occult.ep.host_sync), the same choice as before."""
+    from occult.ep.host_sync import no_host_sync
+    from occult.ep.replica_rules import DEVICE_POLICIES, choose_slots
+    pl, ids, home_T = eplb_world(T=16)
+    for policy in DEVICE_POLICIES:
+        want = choose_slots(pl, ids, home_T, policy)
+        with no_host_sync("a replica rule"):
+            got = choose_slots(pl, ids, home_T, policy)
+        assert torch.equal(got, want) and bool((pl.expert_S[got] == ids).all()), policy

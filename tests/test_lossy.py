@@ -35,20 +35,23 @@ PAYLOAD_CASE = LayerCase(E, 2, (20, 13), hidden=D, routing="router", seed=11, dt
 LSH_CASE = LayerCase(E, 2, (40, 33), hidden=D, routing="uniform", seed=12)
 ADAPTIVE_CASE = LayerCase(E, 4, (30, 21), hidden=D, routing="router", seed=13)
 LOSSY_JOBS = ([("lsh", system(LSH, bits=b), LSH_CASE) for b in (0, 1, 3)]
-              + [("luffy", system(LUFFY, threshold=t), LSH_CASE) for t in (1.0, 0.3)]
+              + [("luffy", system(LUFFY, threshold=0.3), LSH_CASE)]      # threshold 1: REPEAT_JOBS
               + [("adaptive", system(ADAPTIVE, base=b, threshold=0.3), ADAPTIVE_CASE)
                  for b in ("naive", "occult", "megablocks")])
+# Luffy's exact case on tokens that repeat (each rank's tokens twice; the router routes)
+REPEAT_CASE = LayerCase(E, 2, (40, 33), hidden=D, routing="router", seed=12)
+REPEAT_JOBS = [(system(LUFFY, threshold=1.0), REPEAT_CASE)]
 
 
 @pytest.fixture(scope="module")
 def world():
     grid = [(s, PAYLOAD_CASE, None) for s, *_ in PAYLOAD_CASES]
-    return launch(lossy_world, P, (grid, LOSSY_JOBS), timeout_s=240, collective_timeout_s=60)
+    return launch(lossy_world, P, (grid, LOSSY_JOBS, REPEAT_JOBS), timeout_s=240, collective_timeout_s=60)
 
 
 @pytest.mark.timeout(300)
 def test_compressed_payload_bytes_by_hand(world):
-    for rank, (grid, _) in enumerate(world):
+    for rank, (grid, *_) in enumerate(world):
         for (sysd, dispatch_bytes, combine_bytes, tol), res in zip(PAYLOAD_CASES, grid):
             want = {"dispatch": dispatch_bytes, "combine": combine_bytes}
             seen = set()
@@ -65,11 +68,11 @@ def test_compressed_payload_bytes_by_hand(world):
 
 @pytest.mark.timeout(300)
 def test_lsh_and_adaptive_compute_what_they_state(world):
-    for rank, (_, checks) in enumerate(world):
+    for rank, (_, checks, _) in enumerate(world):
         for (kind, sysd, case), res in zip(LOSSY_JOBS, checks):
             assert res["err"] <= 1e-9, (rank, sysd, res)
             assert res["grad_finite"], (rank, sysd, res)
-            if kind == "lsh" and sysd["bits"] == 0 or kind == "luffy" and sysd["threshold"] == 1.0:
+            if kind == "lsh" and sysd["bits"] == 0:
                 assert res["sent_rows"] == res["pairs"], res        # every pair its own bucket
             elif kind in ("lsh", "luffy"):
                 assert 0 < res["sent_rows"] < res["pairs"], res     # centroids / leaders: fewer rows than pairs
@@ -77,6 +80,49 @@ def test_lsh_and_adaptive_compute_what_they_state(world):
                 assert res["kept_pairs"] < res["pairs"], res        # threshold 0.3 drops pairs
                 if sysd["base"] != "occult":                        # one row per kept pair
                     assert res["sent_rows"] == res["kept_pairs"], res
+
+
+@pytest.mark.timeout(300)
+def test_luffy_at_threshold_1_on_repeated_tokens_is_exact_but_for_each_copys_input_gradient(world):
+    """Luffy at threshold 1 on tokens that repeat condenses (each copy shares its first
+    copy's row) and against the single-device reference gives the output, the router's and
+    the experts' gradients, and the input gradient summed over each token's copies, to
+    float64 rounding; each copy's own input gradient is not (the first copy gets the sum):
+    why training at threshold 1 is refused (next test)."""
+    for rank, (*_, repeats) in enumerate(world):
+        for (sysd, case), res in zip(REPEAT_JOBS, repeats):
+            assert res["sent_rows"] < res["pairs"], (rank, res)        # the condensation condenses
+            exact = {k: v for k, v in res.items() if k.startswith(("out", "grad_")) and k != "grad_x"}
+            assert all(v <= 1e-9 for v in exact.values()), (rank, exact)
+            assert res["grad_x"] > 1e-3, (rank, res)
+
+
+def test_luffy_refuses_training_at_threshold_1_in_one_line():
+    """At threshold 1 Luffy's backward is not each token's gradient (previous test): a
+    training task is refused at validation, in one line naming the field; threshold < 1
+    trains (lossy by design) and threshold 1 runs the tasks without a backward to train."""
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+    from test_task_options import cfg_with
+
+    from occult.config import CONF_DIR
+    from occult.tasks.bench import prepare
+    from occult.validate import validate
+    with pytest.raises(ConfigError) as err:
+        validate(cfg_with("task=train", "model=olmoe_proxy", "system=luffy", "system.threshold=1.0"))
+    assert str(err.value).startswith("system.threshold=1.0: task=train would train through Luffy's condensation")
+    assert "\n" not in str(err.value)
+    bench = cfg_with("task=bench_model", "model=olmoe_proxy", "task.workload=train",
+                     "task.compare=[naive,{name:luffy,threshold:1.0}]")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), \
+            pytest.raises(ConfigError, match=r"^task.compare\[1\]: system.threshold=1.0: task=train"):
+        prepare(OmegaConf.to_container(bench, resolve=True))
+    config = system_config(system(LUFFY, threshold=1.0))
+    with pytest.raises(ValueError, match=r"^system.threshold=1.0: task=finetune"):
+        config.check_task("finetune")
+    for task in ("prefill", "decode", "layer", "bench", "bench_model"):
+        config.check_task(task)
+    system_config(system(LUFFY, threshold=0.9)).check_task("train")
 
 
 @pytest.mark.parametrize("options, field", [

@@ -101,15 +101,18 @@ def model_world(request):
     """Every proxy on naive and occult, and the OLMoE proxy on naive over EPLB's slot
     placements and on occult (collaborative rule) over the affinity-aware packing, in one
     world per P: ``(P, jobs, per_rank grid results, per_rank migration results, per_rank
-    ScMoE results)``; the P = 2 world also runs sequence migration (migration_helpers; its
-    transformers import is already paid)."""
+    ScMoE results, per_rank whole-model gate results)``; the P = 2 world also runs sequence
+    migration (migration_helpers; its transformers import is already paid) and the runs'
+    whole-model gate (scmoe_helpers.gate_world)."""
     P = request.param
     jobs = [({"model": tiny(n), "system": {"name": s, "_target_": t}, "seed": 1}, 2, 8)
             for n in PROXIES for s, t in SYSTEMS + ([SCMOE] if n == "scmoe_proxy" else [])]
     jobs += eplb_model_jobs(P)
     jobs += schedule_jobs()
-    per_rank = launch(models_and_migration, P, (jobs, P == 2, tiny("scmoe_proxy")), timeout_s=360)
-    return P, jobs, [r[0] for r in per_rank], [r[1] for r in per_rank], [r[2] for r in per_rank]
+    per_rank = launch(models_and_migration, P,
+                      (jobs, P == 2, tiny("scmoe_proxy"), tiny("olmoe_proxy") if P == 2 else None), timeout_s=360)
+    return (P, jobs, [r[0] for r in per_rank], [r[1] for r in per_rank], [r[2] for r in per_rank],
+            [r[3] for r in per_rank])
 
 
 @pytest.mark.timeout(400)
@@ -138,9 +141,13 @@ SCHEDULES = [("naive", {"microbatches": 2}), ("occult", {"microbatches": 2, "gra
 
 
 def schedule_jobs() -> list:
+    """The schedules on the OLMoE proxy, and the shortcut-connected model under system=scmoe
+    with two co-executed micro-batches (each strand carries its own shortcut)."""
     targets = dict(SYSTEMS)
     return [({"model": tiny("olmoe_proxy"), "system": {"name": s, "_target_": targets[s]}, "seed": 1, "task": t}, 2, 8)
-            for s, t in SCHEDULES]
+            for s, t in SCHEDULES] + \
+        [({"model": tiny("scmoe_proxy"), "system": {"name": SCMOE[0], "_target_": SCMOE[1]}, "seed": 1,
+           "task": {"microbatches": 2}}, 2, 8)]
 
 
 def check_schedules(jobs: list, results: list) -> None:
@@ -160,8 +167,75 @@ def check_schedules(jobs: list, results: list) -> None:
     assert 0 < lina["started_in_backward"] < lina["allreduces"]      # partitions in the gaps, the rest after
 
 
+@pytest.mark.timeout(400)
+def test_scmoe_microbatches_route_every_layer_as_one_batch(model_world):
+    """The shortcut-connected model under system=scmoe with two co-executed micro-batches
+    (one thread each, both in the same blocks at once) equals the single-device model and
+    routes every MoE layer as the one-batch run: the same expert loads (issue 38: the
+    strands shared one shortcut carrier, so a strand's block read the other's representation)."""
+    P, jobs, per_rank, *_ = model_world
+    keys = [(cfg["model"]["name"], cfg["system"]["name"], cfg.get("task", {}).get("microbatches", 1))
+            for cfg, *_ in jobs]
+    one, two = keys.index(("scmoe_proxy", "scmoe", 1)), keys.index(("scmoe_proxy", "scmoe", 2))
+    E = tiny("scmoe_proxy")["num_experts"]
+
+    def loads(res):
+        layers = sorted({layer for layer, _ in res["routing"]})
+        return {layer: sum(torch.bincount(ids.flatten().cpu(), minlength=E)
+                           for li, ids in res["routing"] if li == layer) for layer in layers}
+
+    for rank, results in enumerate(per_rank):
+        bad = {k: v for k, v in results[two]["errors"].items() if not v < 2e-5}
+        assert not bad, (P, rank, bad)
+        a, b = loads(results[one]), loads(results[two])
+        assert a.keys() == b.keys() == set(range(tiny("scmoe_proxy")["num_layers"]))
+        for layer in a:
+            assert torch.equal(a[layer], b[layer]), (P, rank, layer)
+
+
+@pytest.mark.timeout(400)
+def test_run_gate_checks_the_whole_model_under_the_runs_schedule(model_world):
+    """The runs' whole-model gate (model_parity_gate, float64): the shortcut-connected model
+    with two co-executed micro-batches (training: forward and backward; prefill: forward)
+    and the OLMoE model training with sequence migration pass it (to 1e-9); with the strands
+    sharing one shortcut carrier (issue 38's defect 2) it stops the run, where the one-layer
+    gate passes on the same run."""
+    P, *_, gates = model_world
+    if P != 2:
+        pytest.skip("the gate's runs are in the P = 2 world")
+    for rank, out in enumerate(gates):
+        for key in ("shortcut", "shortcut_prefill", "migration"):
+            rows = out[key]
+            assert isinstance(rows, list), (rank, key, rows)
+            by = {r["metric"]: r["value"] for r in rows}
+            checked = {"model_parity_logits", "model_parity_loss"}
+            if key != "shortcut_prefill":
+                checked |= {"model_parity_grad_replicated", "model_parity_grad_experts"}
+            assert by.pop("model_parity_checked") == 1.0 and by.keys() == checked, (rank, key, by)
+            assert all(v <= 1e-9 for v in by.values()), (rank, key, by)
+        broken = out["shared_carrier"]
+        assert isinstance(broken, str) and "the whole model disagrees with the single-device model" in broken, rank
+        assert "task.microbatches=2" in broken and "nothing was timed" in broken
+        layer = {r["metric"]: r["value"] for r in out["shared_carrier_layer"]}
+        assert layer["parity_checked"] == 1.0 and layer["parity_out"] <= 1e-9, rank
+
+
+def test_schedule_changes_name_what_the_whole_model_gate_checks():
+    """The whole-model gate runs where the run computes beyond one layer, and nowhere else."""
+    from occult.tasks.common import schedule_changes
+
+    def changes(model: str, **task):
+        return schedule_changes(OmegaConf.create({"model": tiny(model), "task": task}))
+
+    assert changes("olmoe_proxy") == changes("olmoe_proxy", microbatches=1, grad_sync="end") == []
+    assert changes("olmoe_proxy", microbatches=2) == ["task.microbatches=2"]
+    assert changes("scmoe_proxy") == ["model.family=scmoe (shortcut-connected)"]
+    assert changes("olmoe_proxy", migration=True, grad_sync="overlap") == ["task.migration=true",
+                                                                          "task.grad_sync=overlap"]
+
+
 def _migration(model_world) -> list:
-    P, _, _, migration, _ = model_world
+    P, _, _, migration, _, _ = model_world
     if P != 2:
         pytest.skip("sequence migration runs in the P = 2 world")
     return migration
@@ -220,7 +294,7 @@ def test_scmoe_overlapped_schedule_equals_step_by_step(model_world):
     started one block early (its counts exchanged before the previous block's combine) and
     its wait reported as exposed_comm, gives the logits and synchronised gradients of the
     same model run step by step (naive); the shortcut changes the model (not a no-op)."""
-    P, *_, schedules = model_world
+    P, *_, schedules, _ = model_world
     for rank, out in enumerate(schedules):
         step, over = out["step_by_step"], out["overlapped"]
         assert _close(over["logits"], step["logits"]), rank

@@ -146,3 +146,26 @@ def test_crossovers_read_where_the_answer_changes():
     c = crossovers(pd.DataFrame(rows), ["h"]).iloc[0]
     assert c["best by P"] == "8: occult, 16: hierarchical_node, 32: hierarchical_node"
     assert c["hierarchical beats occult from P"] == 16 and c["allgather beats naive up to P"] == 8
+
+
+def test_project_command_takes_a_profile_path_and_names_its_files_by_the_profile(tmp_path, monkeypatch, capsys):
+    """``python -m analysis.project RUN --profile path/to/profile.yaml``: the CSV files are named
+    by the profile's ``name`` (a path in a file name was a folder that did not exist)."""
+    import sys
+
+    from analysis import project
+    from occult.ep.links import profile_path
+    from occult.records import write_results
+    rows = _frame(simulated_rows("cluster.world_size=16", "cluster.devices_per_node=8", "task.tokens_per_rank=8",
+                                 "task.peer_rows=false", "task.backward=false"))
+    write_results(rows.drop(columns=[c for c in ("run_dir",) if c in rows]), tmp_path / "run")
+    mine = tmp_path / "profiles" / "two_nodes.yaml"
+    mine.parent.mkdir()
+    mine.write_text(profile_path("sim_h100_nodes").read_text().replace("name: sim_h100_nodes", "name: my_nodes"))
+    monkeypatch.setattr(sys, "argv", ["project", str(tmp_path / "run"), "--profile", str(mine)])
+    project.main()
+    assert sorted(p.name for p in (tmp_path / "run").glob("projected_*")) == ["projected_my_nodes.csv",
+                                                                              "projected_my_nodes_totals.csv"]
+    totals = pd.read_csv(tmp_path / "run" / "projected_my_nodes_totals.csv")
+    assert (totals.source == "projected").all() and (totals.profile == "my_nodes").all()
+    assert "projected_my_nodes_totals.csv" in capsys.readouterr().out

@@ -3,10 +3,12 @@
 Its exactness is the parity suite's (tests/test_parity.py: naive and occult with
 dispatch_mode=static are other exact paths of theirs, in every world, forward and
 backward, with their traffic plans equal to what the ranks logged). Here: a static step
-reads nothing on the host (every host read of a tensor raises in the test world, and an
-``.item()`` put back into the path is caught); the decode task runs its steps static on
-every proxy (in tests/test_devices.py's world, and behind its parity gate here, slow); the bad inputs (too many tokens, a system without a static path, CUDA graphs
-without CUDA or on a dynamic dispatch).
+does nothing that synchronises a GPU (occult.ep.host_sync's guard, on an MoELayer in the
+P = 2 world and a model's EPMoEBlock on one rank, on the contiguous placement and on
+EPLB's slots; each kind of synchronisation put back into the path is caught); the decode
+task runs its steps static on every proxy (in tests/test_devices.py's world, and behind its
+parity gate here, slow); the bad inputs (too many tokens, a system without a static path,
+CUDA graphs without CUDA or on a dynamic dispatch).
 """
 import pytest
 import torch
@@ -21,7 +23,7 @@ from occult.parity import LayerCase
 from occult.tasks.options import task_config
 from occult.validate import ConfigError, validate
 
-from static_helpers import NAIVE, OCCULT, STATIC_PROXIES, check_static_decode
+from static_helpers import INJECTIONS, NAIVE, OCCULT, STATIC_PROXIES, check_static_decode
 
 P = 2
 STATIC = {"dispatch_mode": "static"}
@@ -31,36 +33,74 @@ def _sys(target: str, **options) -> dict:
     return {"name": target.rsplit(".", 1)[-1], "_target_": target, **options}
 
 
+# where the guarded world puts a synchronisation back: naive's and occult's static path
+INJECT_AT = {"naive": "occult.ep.static.pair_slots", "occult": "occult.collab.static.weights_table"}
+
+
 @pytest.fixture(scope="module")
 def guarded():
-    """One P = 2 world: static naive and occult, dynamic naive, and the static paths with an
-    ``.item()`` put back, each a forward and backward with host reads refused."""
+    """One P = 2 world: static naive and occult, each a forward and backward with what would
+    synchronise a GPU refused (occult.ep.host_sync), on the contiguous placement and on EPLB's
+    slots (round_robin and local_first copies); the dynamic path; a recorder on the
+    synchronised clock; and each kind of synchronisation put back into the static paths. (A
+    model's EPMoEBlock: in one process, below: the world's ranks would import transformers.)"""
+    pytest.importorskip("eplb")
     case = LayerCase(8, 2, (5, 3), routing="uniform", seed=1)
-    jobs = [("naive static", _sys(NAIVE, **STATIC), case, ""),
-            ("occult static", _sys(OCCULT, **STATIC), case, ""),
-            ("naive dynamic", _sys(NAIVE), case, ""),
-            ("naive static + item", _sys(NAIVE, **STATIC), case, "occult.ep.static.pair_slots"),
-            ("occult static + item", _sys(OCCULT, **STATIC), case, "occult.collab.static.weights_table")]
-    return launch(import_object("static_helpers.guarded_steps"), P, (jobs,), timeout_s=120, collective_timeout_s=30)
+    naive, occult = _sys(NAIVE, **STATIC), _sys(OCCULT, **STATIC)
+    jobs = [(f"{name} static {where}", system, case, where)
+            for name, system in (("naive", naive), ("occult", occult)) for where in ("layer", "slots")]
+    jobs += [(f"{name} static slots local_first", {**system, "replica_policy": "local_first"}, case, "slots")
+             for name, system in (("naive", naive), ("occult", occult))]
+    jobs += [("naive dynamic", _sys(NAIVE), case, "layer"), ("naive static clock", naive, case, "clock")]
+    jobs += [(f"{name} + {sync}", system, case, f"inject:{sync}:{INJECT_AT[name]}")
+             for name, system in (("naive", naive), ("occult", occult)) for sync in INJECTIONS]
+    return launch(import_object("static_helpers.guarded_steps"), P, (jobs,), timeout_s=150, collective_timeout_s=30)
 
 
-@pytest.mark.timeout(180)
-def test_a_static_step_reads_no_tensor_on_the_host(guarded):
+@pytest.mark.timeout(200)
+def test_a_static_step_does_nothing_that_synchronises_a_gpu(guarded):
+    """An MoELayer's static step, forward and backward, on both placement kinds (round_robin
+    and local_first copies on EPLB's slots): no host read, no data-dependent shape, timed by
+    marks."""
     for rank_out in guarded:
-        for label in ("naive static", "occult static"):
-            status, rows = rank_out[label]
-            assert status == "ok", (label, status)
-            # padding travels on gloo: fewer valid rows than wire rows, none lost
-            assert 0 < rows["valid_rows"] < rows["rows"] == rows["valid_rows"] + rows["padding_wire_rows"], (label, rows)
-        # the dynamic path reads its counts on the host (split sizes): the guard sees it
-        assert "read a tensor on the host" in rank_out["naive dynamic"][0]
+        steps = [label for label in rank_out if " static " in label and "clock" not in label]
+        assert len(steps) == 6
+        check_guarded(rank_out, steps)
+        # the dynamic path counts its rows and reads the counts on the host (split sizes): the guard sees it
+        assert rank_out["naive dynamic"][0].endswith("inside a static step"), rank_out["naive dynamic"]
+        # the synchronised clock waits for the device: a static step times by marks
+        assert rank_out["naive static clock"][0].startswith("occult.ep.measure.clock() synchronises")
 
 
-@pytest.mark.timeout(180)
-def test_an_item_put_back_into_the_static_path_fails_the_guard(guarded):
+def check_guarded(out: dict, labels: list) -> None:
+    """Each guarded step of ``labels`` ran, and logged padding beside its valid rows."""
+    for label in labels:
+        status, rows = out[label]
+        assert status == "ok", (label, status, rows)
+        # padding travels on gloo: fewer valid rows than wire rows, none lost
+        assert 0 < rows["valid_rows"] < rows["rows"] == rows["valid_rows"] + rows["padding_wire_rows"], (label, rows)
+
+
+def test_a_models_static_block_does_nothing_that_synchronises_a_gpu():
+    """A model's EPMoEBlock (the tiny OLMoE proxy's, its own router module) with static naive
+    and occult, on the contiguous placement and on EPLB's slots: forward and backward under
+    the guard, on one rank (its collectives local copies, logged like the world's)."""
+    pytest.importorskip("eplb")
+    from types import SimpleNamespace
+    from static_helpers import guarded_steps
+    ctx = SimpleNamespace(rank=0, world_size=1, ep=EPGroup(), device="cpu")
+    jobs = [(f"{name} block {where}", _sys(target, **STATIC), None, where)
+            for name, target in (("naive", NAIVE), ("occult", OCCULT)) for where in ("block", "block slots")]
+    check_guarded(guarded_steps(ctx, jobs), [label for label, *_ in jobs])
+
+
+@pytest.mark.timeout(200)
+def test_what_synchronises_a_gpu_put_back_into_the_static_path_fails_the_guard(guarded):
     for rank_out in guarded:
-        for label in ("naive static + item", "occult static + item"):
-            assert rank_out[label][0].startswith("Tensor.item read a tensor on the host"), rank_out[label]
+        for name in ("naive", "occult"):
+            for sync, (_, message) in INJECTIONS.items():
+                status = rank_out[f"{name} + {sync}"][0]
+                assert status.startswith(message) and status.endswith("inside a static step"), (name, sync, status)
 
 
 def _one_rank_layer(system: dict, tokens: int, E: int = 8, K: int = 2):
@@ -94,7 +134,8 @@ def cfg_with(*overrides):
 
 @pytest.mark.parametrize("overrides, message", [
     (["system=megablocks", "system.dispatch_mode=static"],
-     r"system.dispatch_mode=static: system megablocks cannot take it \(MegaBlocks' block-padded .*allowed value: "
+     r"system.dispatch_mode=static: system=megablocks does not take system.dispatch_mode=static: MegaBlocks' "
+     r"block-padded .*allowed value: "
      r"dynamic"),
     (["system=tutel_harness", "+system.dispatch_mode=static"],
      r"system.dispatch_mode: unknown option of system 'tutel_harness'; allowed: "),

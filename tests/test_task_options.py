@@ -80,7 +80,7 @@ def test_a_field_the_task_does_not_read_is_refused_in_one_line(name):
     (["task=decode", "task.microbatches=2", "task.sync_collectives=true"],
      "task.sync_collectives=true: a barrier before every collective stops the micro-batches' overlap"),
     (["task=prefill", "system=pipelined", "task.microbatches=2"],
-     "task.microbatches=2: system=pipelined does not co-execute micro-batches (its chunks already overlap"),
+     "task.microbatches=2: system=pipelined does not co-execute micro-batches: its chunks already overlap"),
     (["task=train", "task.grad_sync=ring"], "task.grad_sync='ring': allowed values are ['end', 'overlap', 'lina']"),
 ])
 def test_a_field_these_values_leave_unread_is_refused_at_validation(overrides, line):

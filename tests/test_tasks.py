@@ -236,3 +236,27 @@ def test_imbalance_target_on_naive_at_P8_from_a_run(tmp_path):
         df = pd.read_parquet(tmp_path / placement / "results.parquet")
         ratio[placement] = df[df.metric == "recv_max_over_mean"].value.item()
     assert ratio["contiguous"] == pytest.approx(2.0, rel=0.02) and ratio["eplb"] < ratio["contiguous"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_scmoe_prefill_with_two_microbatches_routes_as_one_behind_the_whole_model_gate(tmp_path):
+    """model=scmoe_proxy system=scmoe task=prefill (the proxy's own 4 layers, shrunk widths),
+    1 and 2 micro-batches on the same tokens: the expert loads are equal in every layer (issue
+    38: the strands shared one shortcut carrier, layers 1 and 3 differed), and the run with two
+    passed the whole-model gate on every rank. (Slow for test time: the default run checks the
+    same in tests/test_models.py's P = 2 world.)"""
+    sweep = tmp_path / "sweep"
+    run_py("-m", "system=scmoe", "model=scmoe_proxy", "task=prefill", "task.microbatches=1,2", "cluster=cpu2",
+           *[o for o in TINY if not o.startswith("model.num_layers")], f"hydra.sweep.dir={sweep}", NO_REPORT)
+    runs = {}
+    for path in sweep.rglob("results.parquet"):
+        df = pd.read_parquet(path)
+        runs[int(df[df.metric == "microbatches"].value.item())] = df
+    loads = {mb: df[df.metric == "expert_load"].groupby(["layer", "expert"]).value.sum() for mb, df in runs.items()}
+    assert sorted(loads[1].index.get_level_values(0).unique()) == [0, 1, 2, 3]
+    assert loads[2].equals(loads[1]) and loads[1].sum() == 8 * 2 * 2 * 16 * 4      # K x P x B x S x layers
+    for mb, df in runs.items():
+        gate = df[df.metric == "model_parity_checked"]
+        assert sorted(gate["rank"]) == [0, 1] and (gate.value == 1).all(), mb       # shortcut model: gated at 1 too
+        assert (df[df.metric.isin(["model_parity_logits", "model_parity_loss"])].value <= 1e-9).all()

@@ -55,10 +55,15 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_kernels_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=580)
-    assert "TRITON-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    _run_until_ok(SCRIPT, "TRITON-OK", timeout=580, TRITON_INTERPRET="1")
+
+
+def _run_until_ok(script: str, ok: str, timeout: int, **env) -> None:
+    """Runs ``script`` in a fresh interpreter (Triton's state stays there) and asserts it
+    printed ``ok``, showing its output's tails when it did not."""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=dict(os.environ, **env),
+                          capture_output=True, text=True, timeout=timeout)
+    assert ok in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
 DTYPES = textwrap.dedent("""
@@ -105,10 +110,7 @@ DTYPES = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_float64_is_refused_and_float32_asks_for_ieee_dots():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", DTYPES], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=280)
-    assert "DTYPES-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    _run_until_ok(DTYPES, "DTYPES-OK", timeout=280, TRITON_INTERPRET="1")
 
 
 COMPILED = textwrap.dedent("""
@@ -139,5 +141,4 @@ COMPILED = textwrap.dedent("""
 def test_float32_dots_compile_to_ieee_fmas_for_hopper():
     """No GPU needed: triton compiles for a target it is told (sm_90) down to PTX; the
     float32 kernel's dot products are FMAs, no TF32 instruction; bf16's are tensor-core MMAs."""
-    proc = subprocess.run([sys.executable, "-c", COMPILED], cwd=ROOT, capture_output=True, text=True, timeout=280)
-    assert "COMPILED-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    _run_until_ok(COMPILED, "COMPILED-OK", timeout=280)

@@ -13,10 +13,23 @@ from occult.ep.accounting import recording
 from occult.models.ep_block import EPMoEBlock
 from occult.models.families import family_of
 from occult.models.runtime import base_model, make_rank_model
+from occult.ep.capabilities import Capabilities
+from occult.ep.payload import PAYLOADS
+from occult.ep.replica_rules import REPLICA_POLICIES
 
 
 class PlacedNaiveDispatcher(NaiveDispatcher):
     """Naive EP with its placement from an artifact: placements must not depend on the system."""
+
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch=True,
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=REPLICA_POLICIES, payloads=PAYLOADS, dropped_pairs=True,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(PlacementFileConfig, NaiveDispatcher.Config):

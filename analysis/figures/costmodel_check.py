@@ -86,8 +86,8 @@ def build(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             f"Target: all-to-all error below {CHECK_TARGET:.0%}. Median |error| of the iteration's "
             f"all-to-all total: {total.abs_error.median():.1%} over {len(total)} run(s); of single "
             f"collectives: {chk[chk.quantity.str.startswith('a2a ')].abs_error.median():.1%}."]
-    return [Section(title, text, [("costmodel_check_summary", agg),
-                                  ("costmodel_check", chk.drop(columns=["abs_error"]))], figs)]
+    return [Section(title, text, [("costmodel_check_summary", agg)], figs,
+                    data=[("costmodel_check", chk.drop(columns=["abs_error"]))])]
 
 
 def own_profile(run: pd.DataFrame) -> Optional[Profile]:
@@ -122,7 +122,7 @@ def check_against_measured(df: pd.DataFrame, profile: Optional[Profile]) -> pd.D
         if run_profile is None or (run_profile.calibration and P not in run_profile.calibration):
             continue
         proj = project_run(run, run_profile)
-        ctx = {"run_id": run_id, "run_dir": run.run_dir.iloc[0], "system": run.system.iloc[0], "world_size": P,
+        ctx = {"run_id": run_id, "system": run.system.iloc[0], "world_size": P,
                "top_k": int(run.top_k.iloc[0]), "routing": run.routing.iloc[0], "calibration": calibration}
         meas_total, proj_total = 0.0, 0.0
         for _, p in proj[proj.component.str.startswith("a2a:")].iterrows():

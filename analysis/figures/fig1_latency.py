@@ -137,7 +137,7 @@ def build(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         shown = proj[["model", "task", "system", "target_model", "target_moe_layers", "a2a_ms_per_layer",
                       "experts_ms_per_layer", "moe_ms", "ratio_to_naive", "source", "profile"]]
         tables.insert(1, ("fig1_projected", shown.sort_values(["model", "task", "system"])))
-        text.append(f"Projected ({FIG1_PROFILE}, the paper's 4 x RTX A6000; hatched): the cost model "
+        text.append(f"Projected on {FIG1_PROFILE} (the paper's 4 x RTX A6000; hatched): the cost model "
                     "(analysis.projection) applied to each run's measured per-peer rows, re-sized to the real "
                     "model's hidden size in bfloat16, expert FLOPs of the real D and F, the per-layer mean "
                     "repeated for the real model's MoE layers. It covers the expert-parallel part only "

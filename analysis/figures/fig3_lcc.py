@@ -54,7 +54,7 @@ def lcc_curves(df: pd.DataFrame, draws: int = 0, seed: int = 0) -> tuple[pd.Data
             agree = float((np.sort(topk_from_logits(logits[layer], K), 1) == np.sort(ids_model, 1)).all(1).mean())
             per_k = {k: topk_from_logits(logits[layer], k) for k in LCC_TOP_K if k <= E}
             notes.append(f"`{model}` ({kind_of_router}, top-{K} model), layer {layer}, {len(ids_model)} tokens from "
-                         f"`{run_dir}`: top-k for k = {', '.join(map(str, per_k))} taken from its router's "
+                         f"run `{run.run_id.iloc[0]}`: top-k for k = {', '.join(map(str, per_k))} taken from its router's "
                          f"logits (the same router, only the number of experts taken changes; its own "
                          f"top-{K} agrees with the recorded routing on {agree:.1%} of tokens).")
         else:
@@ -112,6 +112,6 @@ def build(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             "4, ... whose largest component holds that share of the experts (median over orders). "
             "Paper's point: the graph connects after a few tokens, "
             "so re-placing experts per batch cannot keep a batch's tokens on few devices."] + notes
-    return [Section(title, text, [("fig3_lcc", pd.DataFrame(summary)),
-                                  ("fig3_lcc_curves", curves.groupby(["model", "routing", "top_k", "tokens"])
-                                   .lcc.median().reset_index())], figs)]
+    curve_medians = curves.groupby(["model", "routing", "top_k", "tokens"]).lcc.median().reset_index()
+    return [Section(title, text, [("fig3_lcc", pd.DataFrame(summary))], figs,
+                    data=[("fig3_lcc_curves", curve_medians)])]

@@ -77,7 +77,7 @@ def build(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     fig.suptitle(f"{model} ({router_kind(run)}), MoE layer {layer}: co-activation (held-out half of the trace)",
                  y=1.02)
     figs = save(fig, Path(out_dir) / "fig8_pattern")
-    text = [f"Trace `{run_dir}`, layer {layer} (last MoE layer), {ids.shape[0]} tokens: placements are "
+    text = [f"Trace of run `{run.run_id.iloc[0]}`, layer {layer} (last MoE layer), {ids.shape[0]} tokens: placements are "
             f"optimised on the first half ({half} tokens) for {P} devices with load cap {FIG8_LOAD_CAP} "
             "(max/mean device load on the profiling half), then scored and drawn on the second half. "
             "Blocks on the diagonal are devices: co-activation inside them stays on one device. greedy is "

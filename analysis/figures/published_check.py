@@ -9,8 +9,9 @@ out; check points (DeepEP's low-latency table, and pplx-garden's column of the s
 the fit on every fit point, which no check point entered. Sections: the error per source
 (median and 90th percentile of |ln(projected / published)|) against the targets
 (:data:`MEDIAN_TARGET` per validated source, :data:`P90_TARGET` over all validated points), the
-check, every point, the fitted parameters of every fold, and decode at EP 256 and prefill at
-EP 64 on the H800 profile beside the published numbers.
+check, every point, the fitted parameters of every fold, decode at EP 256 and prefill at EP 64
+on the H800 profile beside the published numbers, and a diagnostic: the same fits with each
+kernel's NIC messages counted per its declared, cited unit (:func:`granularity_check`).
 """
 from __future__ import annotations
 
@@ -23,18 +24,18 @@ import pandas as pd
 
 from ..published import exclusions, load_points
 from ..sections import Section, write_table
-from ..transport_fit import (errors, exchange_of, leave_one_source_out, point_key, priced_seconds, rule_rows,
-                             simulated_runs, stack)
+from ..transport_fit import (START, counted_messages, errors, exchange_of, leave_one_source_out, point_key,
+                             priced_seconds, rule_rows, simulated_runs, stack, stack_seconds)
 
 MEDIAN_TARGET = math.log(1.15)      # per validated source
 P90_TARGET = math.log(1.35)         # over all validated points
 
 
-def checked_points(df: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
-    """Every published point with its simulated run's exchange priced (see the module
-    docstring): columns of :func:`analysis.published.load_points` plus ``run_id``,
-    ``rule_bytes``, ``projected_s``, ``projected_GBps``, ``error``, ``fold``, ``validated``;
-    and the fitted parameters of every fold. Raises when a point's world was not simulated."""
+def point_exchanges(df: pd.DataFrame) -> tuple[pd.DataFrame, list]:
+    """Every published point (:func:`analysis.published.load_points` plus ``run_id`` and
+    ``rule_bytes``) and its simulated :class:`analysis.transport_fit.Exchange`, messages as
+    simulated (one per remote peer with a non-empty block). Raises when a point's world was
+    not simulated."""
     points = load_points()
     runs = simulated_runs(df)
     missing = [p for p in points.itertuples() if point_key(p) not in runs]
@@ -50,6 +51,15 @@ def checked_points(df: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
         run_ids.append(run.run_id.iloc[0])
         rule_bytes.append(rule_rows(run, p.byte_rule) * p.row_bytes)
     points["run_id"], points["rule_bytes"] = run_ids, rule_bytes
+    return points, exchanges
+
+
+def checked_points(df: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
+    """Every published point with its simulated run's exchange priced (see the module
+    docstring): columns of :func:`point_exchanges`' points plus ``projected_s``,
+    ``projected_GBps``, ``error``, ``fold``, ``validated``; and the fitted parameters of
+    every fold."""
+    points, exchanges = point_exchanges(df)
     table, folds = leave_one_source_out(stack(points, exchanges), points)
     # the reported projection: the cost model's own price on the profile with the fold's parameters
     table["projected_s"] = [priced_seconds(x, p.row_bytes, p.profile, folds[p.fold], p.overlap, p.nodes > 1)
@@ -57,6 +67,48 @@ def checked_points(df: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
     table["projected_GBps"] = table.rule_bytes / table.projected_s / 1e9
     table["error"] = errors(table.projected_s.to_numpy(float), table)
     return table, folds
+
+
+def granularity_check(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The message-granularity diagnostic: the same leave-one-source-out fits with each
+    kernel's NIC messages counted per its declared unit (``messages.unit`` in conf/published,
+    cited from its source's code; :func:`analysis.transport_fit.counted_messages`) instead of
+    one per remote peer. Returns the error per source (:func:`per_source`, with the fit on
+    every fit point's own errors beside as ``in_sample_median``) and every fold's per-message
+    cost per transport. The price itself is unchanged: this shows what the count explains."""
+    points, exchanges = point_exchanges(df)
+    counted = [counted_messages(x, p.message_unit) for x, p in zip(exchanges, points.itertuples())]
+    s = stack(points, counted)
+    table, folds = leave_one_source_out(s, points)
+    full = {t: folds["all"].get(t, START) for t in set(s.intra_t_N) | set(s.inter_t_N)}
+    in_sample = points.assign(error=errors(stack_seconds(s, full), points))
+    sources = per_source(table)
+    sources["in_sample_median"] = [float(in_sample[(in_sample.source == r.source) & (in_sample.role == r.role)]
+                                         .error.median()) for r in sources.itertuples()]
+    costs = pd.DataFrame([{"fold": "fit on every fit source" if fold == "all" else f"{fold} left out",
+                           **{f"{t} message_us": round(params[t]["message_us"], 4) for t in sorted(params)}}
+                          for fold, params in folds.items()])
+    return sources.assign(p90_validated=overall(table)["p90_error"]), costs
+
+
+def granularity_text(by_unit: pd.DataFrame, table: pd.DataFrame) -> list:
+    """The diagnostic's paragraph: the declared units and the targets under them."""
+    units = table.drop_duplicates(["source", "kernel"])
+    declared = "; ".join(f"{r.source} {r.kernel}: {r.message_unit}" for r in units.itertuples() if r.message_declared)
+    fit = by_unit[(by_unit.role == "fit") & (by_unit.validated == "yes")]
+    check = by_unit[by_unit.role == "check"]
+    return [
+        "Each decode kernel declares the granularity of its NIC messages as its source's code issues them "
+        f"(conf/published, messages.cited: repository, file, line, commit): {declared}; the other kernels are "
+        "counted as simulated (a message per remote peer with a non-empty block). The same leave-one-source-out "
+        "fits with those counts, no parameter added: median error per validated source "
+        + ", ".join(f"{r.source} {r.median_error:.3f} (in-sample {r.in_sample_median:.3f})" for r in fit.itertuples())
+        + f" against {MEDIAN_TARGET:.3f}; 90th percentile over the validated points {fit.p90_validated.iloc[0]:.3f} "
+        f"against {P90_TARGET:.3f}; the check's median "
+        + ", ".join(f"{r.source} {r.median_error:.3f}" for r in check.itertuples()) + ". "
+        "A fold's per-message cost of a transport comes only from the sources it saw: where the one other source "
+        "on that transport batches its writes per peer, its fit cannot see a per-message cost (the table below), "
+        "and a source whose writes are per row is projected without one."]
 
 
 def per_source(table: pd.DataFrame) -> pd.DataFrame:
@@ -147,7 +199,9 @@ def h800_projections(table: pd.DataFrame) -> pd.DataFrame:
 
 def build(df: pd.DataFrame, out_dir) -> list:
     """Report builder (see the module docstring): ``published_check.csv`` (every point),
-    ``published_check_sources.csv``, ``published_check_params.csv``, ``published_check_h800.csv``."""
+    ``published_check_sources.csv``, ``published_check_params.csv``, ``published_check_h800.csv``,
+    ``published_check_disagreements.csv``, and the message-unit diagnostic's
+    ``published_check_message_units.csv`` and ``published_check_message_costs.csv``."""
     title = "The price of an exchange against published GPU measurements"
     sim = df[(df.task == "simulate")] if "task" in df else df
     if sim.empty:
@@ -156,9 +210,11 @@ def build(df: pd.DataFrame, out_dir) -> list:
     table, folds = checked_points(df)
     shown, sources, params, h800 = _shown(table), per_source(table), params_table(folds, table), h800_projections(table)
     apart = disagreements(table)
+    by_unit, unit_costs = granularity_check(df)
     for name, t in (("published_check", shown), ("published_check_sources", sources),
                     ("published_check_params", params), ("published_check_h800", h800),
-                    ("published_check_disagreements", apart)):
+                    ("published_check_disagreements", apart), ("published_check_message_units", by_unit),
+                    ("published_check_message_costs", unit_costs)):
         write_table(t, out_dir, name)
     total = overall(table)
     validated = sources[(sources.role == "fit") & (sources.validated == "yes")]
@@ -205,6 +261,10 @@ def build(df: pd.DataFrame, out_dir) -> list:
                 "two sources: a price whose parameters belong to the hardware gives both the same time, so "
                 "their ratio bounds what any such price can reach on them."] if len(apart) else
                 ["No exchange is published by two fit sources."], tables=[("same exchange", apart)] if len(apart) else []),
+            Section("Messages counted per declared unit (a diagnostic; the price above is unchanged)",
+                    granularity_text(by_unit, table),
+                    tables=[("error per source, messages per declared unit", by_unit),
+                            ("per-message cost per fold, messages per declared unit", unit_costs)]),
             Section("Every point", [], tables=[("points", shown.drop(columns=["run_id"]))]),
             Section("Fitted parameters", ["Per fold: latency (us per call), efficiency (of the profile's "
                                           "datasheet bandwidth) and per-message cost (us per peer with a "

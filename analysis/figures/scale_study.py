@@ -241,13 +241,16 @@ def build(df: pd.DataFrame, out_dir, profiles=DEFAULT_PROFILES) -> list:
         "Every number here is **simulated** (bytes, messages, rows, C_T: the systems' own traffic plans for "
         "every rank of a world that never ran, `task=simulate`, tested equal to what real runs log at P <= 16) "
         "or **projected** (times: the cost model on the profiles "
-        + ", ".join(f"`{p}` ({load_profile(p).source})" for p in profiles) + "); nothing in this table was "
+        + ", ".join(f"`{p}` ({load_profile(p).source})" for p in profiles) + "); nothing here was "
         "measured on a GPU. Per MoE layer (mean over the sampled `layers`), forward pass; bytes and messages "
         "per rank to other ranks; `received_rows_max_over_mean`: the dispatch's received rows, busiest rank over "
-        "the mean; projected ms: the collectives plus the experts (balanced load).",
+        "the mean; projected ms: the collectives plus the experts (balanced load). Every point's row: "
+        "`scale_study.csv`; inline, per model, workload and profile: the best strategy at each P and where "
+        "the strategies cross.",
         "Largest P per model: " + ", ".join(f"{m} {p}" for m, p in sized.items()) + ". " + coverage_text(table),
         "Routing: `router` points route held-out text through the trained proxy's routers (resampled with "
         "replacement where the world needs more tokens than the 32,768 routed: `resampled`); `uniform` points "
         "are synthetic."]
-    return [Section(title, text, [("scale_study", table.drop(columns=["run_id"])),
-                                  ("scale_study_crossovers", cross)], figs)]
+    # one row per simulated point (hundreds): its CSV and the figures; the crossovers inline
+    return [Section(title, text, [("scale_study_crossovers", cross)], figs,
+                    data=[("scale_study", table.drop(columns=["run_id"]))])]

@@ -46,6 +46,7 @@ from typing import List
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
 
 # read by occult.runner for its progress lines (the same name there)
 SWEEP_POINTS_ENV = "OCCULT_SWEEP_POINTS"
@@ -94,11 +95,20 @@ class GridsSweeper(BasicSweeper):
         exclude = set(self.config.hydra.job.config.override_dirname.exclude_keys) if self.config else set()
         kept = sorted(o for o in point if not o.startswith("hydra.") and o.split("=", 1)[0].lstrip("+~") not in exclude)
         name = ",".join(kept)
-        if len(name) <= MAX_FOLDER_NAME or any(o.startswith("hydra.sweep.subdir=") for o in point):
+        if len(name) <= MAX_FOLDER_NAME or any(o.startswith("hydra.sweep.subdir=") for o in point) \
+                or self._subdir_given():
             return point
         digest = hashlib.sha1(name.encode()).hexdigest()[:10]
         short = re.sub(r"[^A-Za-z0-9_.,=-]", "_", name[:MAX_FOLDER_NAME - 11])
         return point + [f"hydra.sweep.subdir='{short}_{digest}'"]
+
+    def _subdir_given(self) -> bool:
+        """Whether the sweep's config names the points' folder itself (``hydra.sweep.subdir`` on the
+        command line, not the override names): that name stands, however long the overrides."""
+        if self.config is None:
+            return False
+        subdir = OmegaConf.to_container(self.config.hydra.sweep, resolve=False).get("subdir")
+        return "override_dirname" not in str(subdir)
 
     def validate_batch_is_legal(self, batch) -> None:
         """Composes, before a batch launches, one point per shape (:func:`point_shape`: its

@@ -28,7 +28,7 @@ Q EPD rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Optional
 
 import torch
 
@@ -43,6 +43,9 @@ from ..kernels import TRITON_DTYPES, triton_available, triton_takes, use_triton
 from .brim import Brim0, Brim1, build_brim0, build_brim1, local_expert_weights, uses_of
 from .experts import GatheredRows, merged_swiglu, occult_experts
 from .static import StaticSFD
+from ..ep.capabilities import Capabilities
+from ..ep.payload import PAYLOADS
+from ..ep.replica_rules import REPLICA_POLICIES
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,6 @@ class OccultOptions(StaticConfig, PayloadConfig):
 
     # auto (Triton on CUDA when installed, for all but float64; else by size) | torch | epd | triton
     kernels: str = "auto"
-    accepts_dropped_pairs: ClassVar[bool] = True
 
     def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
         super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
@@ -107,7 +109,15 @@ class OccultDispatcher(StaticSFD, SplitDispatcher):
     ``dispatch_mode=static``: one slot per token per destination device in fixed buffers, no
     counts exchange, no host read (:mod:`occult.collab.static`)."""
 
-    impl = "harness"
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch=True,
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=REPLICA_POLICIES, payloads=PAYLOADS, dropped_pairs=True,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(ReplicaConfig, OccultOptions):

@@ -40,6 +40,8 @@ import torch
 from ..placement.files import PlacementFileConfig, file_key
 from ..pruning import ScorePruning, SimilarityPruning, check_budget, expert_similarity
 from .dispatcher import OccultDispatcher, OccultOptions
+from ..ep.capabilities import Capabilities
+from ..ep.payload import PAYLOADS
 
 # (resolved path, size, mtime_ns) -> {layer: logits [N, E] (numpy)}
 _LOGITS_CACHE: dict = {}
@@ -50,7 +52,15 @@ _SIMILARITY_CACHE: dict = {}
 class OccultPlacedDispatcher(OccultDispatcher):
     """Occult, exact, with each layer's expert placement read from ``placement_file``."""
 
-    exact = True
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
+        static_dispatch=True,
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=(), payloads=PAYLOADS, dropped_pairs=True,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(PlacementFileConfig, OccultOptions):
@@ -151,6 +161,16 @@ class OccultScorePruningDispatcher(_PruningDispatcher):
     there), then its top-k among their experts. ``weight_rule``: ``own`` | ``replaced`` |
     ``renormalize`` (see :mod:`occult.pruning.transforms`)."""
 
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=False, exact_backward=False,
+        static_dispatch=True,
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=(), payloads=PAYLOADS, dropped_pairs=True,
+        shortcut_overlap=False)
+
     @dataclass
     class Config(_PruningDispatcher.Config):
         device_score: str = "sum"    # sum | max of the token's router probabilities on a device (open)
@@ -169,6 +189,16 @@ class OccultSimilarityPruningDispatcher(_PruningDispatcher):
     devices by the most similar unselected experts on allowed ones; similarity from
     ``similarity_file`` (router logits [N, E] per layer). ``profile_tokens``: how many
     tokens ``task=finetune`` profiles when ``similarity_file`` is null."""
+
+    capabilities = Capabilities(
+        impl="harness", precision="float64", expert_parallel=True, exact_forward=False, exact_backward=False,
+        static_dispatch=True,
+        co_execution=True,
+        yields=True,
+        traffic_plan=True,
+        migration=True,
+        replica_rules=(), payloads=PAYLOADS, dropped_pairs=True,
+        shortcut_overlap=False)
 
     @dataclass
     class Config(_PruningDispatcher.Config):

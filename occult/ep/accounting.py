@@ -11,13 +11,13 @@ Shapes: T tokens, K top-k, E experts, P devices.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 
-from .measure import between, clock, mark
+from .context import current, entered
+from .measure import Interval, between, clock, mark
 from .placement import Placement
 from .strands import current_strand
 
@@ -32,7 +32,7 @@ class CommEvent:
     src_rank: int
     rows_P: tuple         # rows sent to each destination rank
     row_bytes: int        # bytes per row
-    seconds: float        # the collective itself
+    seconds: float        # the collective itself (an Interval of marks until Recorder.settle reads it)
     wait_seconds: float = 0.0   # barrier before it (only with Recorder.sync_collectives)
     meta_row_bytes: int = 0     # of row_bytes, the metadata riding with each row
     raw_seconds: float = -1.0   # the same exchange as a plain all_to_all_single (Recorder.raw_replay)
@@ -57,6 +57,10 @@ class Recorder:
     # after each collective, the same split sizes again as a plain all_to_all_single (timed
     # apart, after a barrier): the harness's own overhead per collective (benchmarks only)
     raw_replay: bool = False
+    # time spans and collectives between device marks (CUDA events; the host clock on a CPU
+    # rank), read after the step by settle, instead of the synchronised clock: a static step's
+    # timing, which may not wait for the device (occult.ep.static, occult.ep.host_sync)
+    marks: bool = False
     comm: list = field(default_factory=list)
     spans: list = field(default_factory=list)     # (layer, name, direction, seconds)
     routing: list = field(default_factory=list)   # (layer, topk_ids_TK, weights_TK, logits_TE)
@@ -66,15 +70,31 @@ class Recorder:
                        seconds: float, wait_seconds: float = 0.0, meta_row_bytes: int = 0,
                        raw_seconds: float = -1.0, collective: str = "all_to_all", valid_P=None) -> None:
         """``valid_P``: of ``rows_P``, the valid rows, as a device tensor (kept as it is: read on
-        the host by :meth:`settle`, after the step) or host integers."""
+        the host by :meth:`settle`, after the step) or host integers; ``seconds``: a float, or an
+        :class:`~occult.ep.measure.Interval` of marks (read by :meth:`settle`)."""
+        seconds = seconds if isinstance(seconds, Interval) else float(seconds)
         self.comm.append(CommEvent(layer, phase, direction, self.rank, tuple(int(r) for r in rows_P),
-                                   int(row_bytes), float(seconds), float(wait_seconds), int(meta_row_bytes),
+                                   int(row_bytes), seconds, float(wait_seconds), int(meta_row_bytes),
                                    float(raw_seconds), collective, valid_P))
 
+    def now(self):
+        """The start of something this recorder times: a mark (:attr:`marks`) or the clock."""
+        return mark() if self.marks else clock()
+
+    def since(self, start):
+        """The time from ``start`` (:meth:`now`) to here: seconds, or with :attr:`marks` an
+        :class:`~occult.ep.measure.Interval` that :meth:`settle` reads."""
+        return Interval(start, mark()) if self.marks else clock() - start
+
     def settle(self) -> None:
-        """Reads the valid-row counts that collectives left on the device (a static step's
-        accounting, :func:`occult.ep.comm.all_to_all_fixed`) to the host, all in one copy: call
-        it after the step, off its critical path (:func:`occult.tasks.common.comm_rows` does)."""
+        """Reads what the step left on the device, after it, off its critical path: the
+        intervals between marks (:attr:`marks`) and the valid-row counts of fixed buffers
+        (:func:`occult.ep.comm.all_to_all_fixed`, all in one copy).
+        :func:`occult.tasks.common.timing_rows` and :func:`~occult.tasks.common.comm_rows` call it."""
+        read = lambda s: s.seconds() if isinstance(s, Interval) else s
+        self.spans[:] = [(layer, name, direction, read(s)) for layer, name, direction, s in self.spans]
+        self.comm[:] = [replace(ev, seconds=read(ev.seconds)) if isinstance(ev.seconds, Interval) else ev
+                        for ev in self.comm]
         pending = [i for i, ev in enumerate(self.comm) if torch.is_tensor(ev.valid_P)]
         if not pending:
             return
@@ -89,11 +109,11 @@ class Recorder:
 
     @contextmanager
     def span(self, layer: int, name: str, direction: str = "forward"):
-        """Times the enclosed block on this rank (:func:`occult.ep.measure.clock`; in a
-        co-executed strand between marks, read once every strand has ended: the span then
-        holds the turns the other strands took inside it, :mod:`occult.ep.strands`)."""
+        """Times the enclosed block on this rank (:meth:`now` and :meth:`since`: the clock, or
+        marks; in a co-executed strand between marks, read once every strand has ended: the
+        span then holds the turns the other strands took inside it, :mod:`occult.ep.strands`)."""
         strand = current_strand()
-        t0 = mark() if strand is not None else clock()
+        t0 = mark() if strand is not None else self.now()
         try:
             yield
         finally:
@@ -101,7 +121,7 @@ class Recorder:
                 end = mark()
                 strand.later(lambda: self.spans.append((layer, name, direction, between(t0, end))))
             else:
-                self.spans.append((layer, name, direction, clock() - t0))
+                self.spans.append((layer, name, direction, self.since(t0)))
 
     def log_counter(self, layer: int, name: str, value: float) -> None:
         self.counters.append((layer, name, float(value)))
@@ -118,22 +138,18 @@ class Recorder:
         self.counters.clear()
 
 
-_ACTIVE: ContextVar = ContextVar("occult_recorder", default=None)
-
-
 @contextmanager
 def recording(recorder: "Recorder | None"):
     """Makes ``recorder`` the active one for layers called without an explicit recorder
-    (whole models, whose forward signature the harness does not own)."""
-    token = _ACTIVE.set(recorder)
-    try:
+    (whole models, whose forward signature the harness does not own): the run context's
+    ``recorder`` (:func:`occult.ep.context.entered`)."""
+    with entered(recorder=recorder):
         yield recorder
-    finally:
-        _ACTIVE.reset(token)
 
 
 def active_recorder() -> "Recorder | None":
-    return _ACTIVE.get()
+    """The run context's recorder (None: nothing records)."""
+    return current().recorder
 
 
 def span(recorder: "Recorder | None", layer: int, name: str, direction: str = "forward"):
@@ -161,12 +177,12 @@ def backward_span(recorder: "Recorder | None", layer: int, name: str, inputs, ou
     left = [len(waiting)]
 
     def start(grad):
-        started.append(clock())
+        started.append(recorder.now())
 
     def end(grad):
         left[0] -= 1
         if left[0] == 0 and started:
-            recorder.spans.append((layer, name, "backward", clock() - started[0]))
+            recorder.spans.append((layer, name, "backward", recorder.since(started[0])))
 
     output.register_hook(start)
     for t in waiting:

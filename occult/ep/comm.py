@@ -46,7 +46,7 @@ import torch.distributed as dist
 from .accounting import Recorder
 from .measure import barrier, between, clock, mark
 from .payload import decode, encode, meta_bytes_per_row
-from .strands import current_strand
+from .context import current, entered
 
 ALL_TO_ALL, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE = (
     "all_to_all", "all_gather", "reduce_scatter", "broadcast", "reduce")
@@ -127,15 +127,16 @@ def _log(where: Exchange, direction: str, collective: str, rows_P, x: torch.Tens
     seconds (called only with ``Recorder.raw_replay``); ``valid_P``: of ``rows_P``, the valid
     rows (a device tensor, kept as it is until :meth:`Recorder.settle`)."""
     rec = where.recorder
-    strand = current_strand()
+    strand = current().strand
     if rec is not None and strand is not None and seconds is None:
         # a co-executed strand: its start and end are marks, read once every strand has ended
+        # (the valid rows of a fixed buffer with them)
         end = mark()
         strand.later(lambda: _log(where, direction, collective, rows_P, x, t0, wait, meta_row_bytes,
-                                  seconds=between(t0, end)))
+                                  seconds=between(t0, end), valid_P=valid_P))
         return
     if rec is not None:
-        seconds = clock() - t0 if seconds is None else seconds
+        seconds = rec.since(t0) if seconds is None else seconds
         if where.metadata:
             meta_row_bytes = _row_bytes(x)
         raw = replay() if replay is not None and rec.raw_replay else -1.0
@@ -146,48 +147,41 @@ def _log(where: Exchange, direction: str, collective: str, rows_P, x: torch.Tens
                            valid_P=valid_P)
 
 
-def _start(ep: EPGroup, where: Exchange) -> tuple[float, float]:
-    """(barrier wait, start time) of a collective (the barrier only with sync_collectives; no
+def _start(ep: EPGroup, where: Exchange) -> tuple[float, object]:
+    """(barrier wait, start) of a collective (the barrier only with sync_collectives; no
     clock read without a recorder: on CUDA it synchronises the device, which a CUDA graph's
-    capture may not, :mod:`occult.ep.graphs`; in a co-executed strand the start is a mark:
-    :mod:`occult.ep.strands`)."""
+    capture may not, :mod:`occult.ep.graphs`; in a co-executed strand, or for a recorder
+    that times by marks (a static step's), the start is a mark: :mod:`occult.ep.strands`)."""
     rec = where.recorder
     if rec is None:
         return 0.0, 0.0
-    if current_strand() is not None:
+    if current().strand is not None:
         return 0.0, mark()
     wait = barrier(ep) if rec.sync_collectives else 0.0
-    return wait, clock()
-
-
-# something told before and after every collective of this module (None: nothing): a
-# gradient all-reduce scheduler that yields the links to the MoE layers' exchanges
-# (occult.models.grad_sync, task.grad_sync=lina). Process-wide, not per thread: the
-# autograd engine runs a CUDA backward's collectives on a thread of its own.
-_GUARD = None
+    return wait, rec.now()
 
 
 @contextmanager
 def collective_guard(guard):
     """While the block runs, ``guard.before()`` precedes every collective of this module and
     ``guard.after()`` follows it (an asynchronous one's wait: :func:`start_all_to_all`;
-    ``guard`` None: nothing)."""
-    global _GUARD
-    previous, _GUARD = _GUARD, guard
-    try:
+    ``guard`` None: nothing): the run context's ``guard`` (:mod:`occult.ep.context`; a
+    gradient all-reduce scheduler that yields the links to the MoE layers' exchanges,
+    task.grad_sync=lina; process-wide, as the autograd engine runs a CUDA backward's
+    collectives on a thread of its own)."""
+    with entered(guard=guard):
         yield
-    finally:
-        _GUARD = previous
 
 
 def _backend(where: Exchange, direction: str, fn, *args, **kwargs) -> None:
     """Runs one backend collective ``fn(*args, **kwargs)``; in a co-executed strand
     (:mod:`occult.ep.strands`) asynchronously, the turn handed to the other strands while
-    it is in flight; between a guard's ``before`` and ``after`` (:func:`collective_guard`)."""
-    guard = _GUARD
+    it is in flight; between a guard's ``before`` and ``after`` (:func:`collective_guard`):
+    what the run context (:func:`occult.ep.context.current`) says now."""
+    state = current()
+    guard, strand = state.guard, state.strand
     if guard is not None:
         guard.before()
-    strand = current_strand()
     if strand is None:
         fn(*args, **kwargs)
     else:
@@ -513,8 +507,9 @@ class PendingExchange:
         host only to read the time); logs the collective (its time: from start to here)."""
         if self.work is not None:
             self.work.wait()
-        if _GUARD is not None:
-            _GUARD.after()
+        guard = current().guard
+        if guard is not None:
+            guard.after()
         if self.where.recorder is not None:
             _log(self.where, self.direction, ALL_TO_ALL, self.send_P, self.send_RD, 0.0, self.wait_s,
                  seconds=between(self.start, mark()))
@@ -530,8 +525,9 @@ def start_all_to_all(x_RD: torch.Tensor, send_P: list, recv_P: list, ep: EPGroup
     send_P, recv_P = [int(s) for s in send_P], [int(r) for r in recv_P]
     rec = where.recorder
     wait = barrier(ep) if rec is not None and rec.sync_collectives else 0.0
-    if _GUARD is not None:
-        _GUARD.before()
+    guard = current().guard
+    if guard is not None:
+        guard.before()
     start = mark()
     x_RD = x_RD.detach().contiguous()
     out = x_RD.new_empty((sum(recv_P),) + tuple(x_RD.shape[1:]))

@@ -26,7 +26,7 @@ are its typed config (:class:`occult.ep.system.SystemConfig`), held as ``self.co
 A system whose traffic depends only on its routing, placement and node layout also has a
 **plan** (:meth:`Dispatcher.plan`, :mod:`occult.ep.plan`): the rows of each of its
 collectives, computed by the functions its dispatch sizes them with, for any rank of any
-world; ``no_plan`` says why a system has none.
+world; its capability record's ``traffic_plan`` says why a system has none.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from .accounting import Recorder, backward_span, span
+from .capabilities import check_declared
 from .comm import EPGroup
 from .placement import Placement
 from .plan import Planned, RowShape
@@ -44,29 +45,17 @@ from .router import RoutingTransform
 
 
 class NoTrafficPlan(ValueError):
-    """A system whose traffic cannot be planned without running it (its ``no_plan`` says why)."""
+    """A system whose traffic cannot be planned without running it (its record says why)."""
 
 
 class Dispatcher(ABC):
     """A system's expert-parallel MoE layer on one rank.
 
-    Class attributes a system sets: ``impl``: ``"harness"`` when this project implements
-    the scheme, ``"library"`` when a third-party library runs it; ``exact``: whether it
-    returns exactly top-k MoE with its default options (its config's ``is_exact`` says
-    for given options); ``precision``: the floating-point type of its own arithmetic on a
-    float64 problem, ``"float64"`` when it computes in its inputs' dtype, ``"float32"``
-    for a library that casts (the parity check's tolerance is that precision's).
+    Every system class declares ``capabilities``, its own
+    :class:`occult.ep.capabilities.Capabilities` record (``impl``, ``precision``,
+    exactness, static dispatch, micro-batches, traffic plan, ...: every field, none
+    inherited); a class without one is refused when its config is read.
     """
-
-    impl: ClassVar[str] = "harness"
-    exact: ClassVar[bool] = True
-    precision: ClassVar[str] = "float64"
-    # why the system has no traffic plan (its rows depend on more than its routing, placement
-    # and node layout); "" for a system that has one (it implements ``plan``)
-    no_plan: ClassVar[str] = ""
-    # why the system does not run with co-executed micro-batches (task.microbatches > 1,
-    # occult.ep.strands); "" for a system that does
-    no_co_execution: ClassVar[str] = ""
 
     def __init__(self, ep: EPGroup, placement: Placement, config) -> None:
         if placement.num_devices != ep.world_size:
@@ -95,8 +84,8 @@ class Dispatcher(ABC):
 
     @classmethod
     def has_plan(cls) -> bool:
-        """Whether the system states its traffic as a plan (it implements :meth:`plan`)."""
-        return not cls.no_plan and cls.plan is not Dispatcher.plan
+        """Whether the system states its traffic as a plan (its record's ``traffic_plan``)."""
+        return check_declared(cls).has("traffic_plan")
 
     def plan_facts(self, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> Optional[torch.Tensor]:
         """What this rank tells every peer before anyone can plan (a vector [X], the same
@@ -113,7 +102,7 @@ class Dispatcher(ABC):
         routing transform) put on each pair of ranks (:class:`occult.ep.plan.Planned`).
         ``shape``: the rows' hidden width, FFN width and dtype; ``facts_PX``: every rank's
         :meth:`plan_facts`; ``training``: the layer's backward runs."""
-        why = self.no_plan or "it does not implement Dispatcher.plan"
+        why = self.config.capabilities().why_not("traffic_plan") or "it does not implement Dispatcher.plan"
         raise NoTrafficPlan(f"system={self.config.name} has no traffic plan: {why}")
 
 

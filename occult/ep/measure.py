@@ -20,7 +20,10 @@ A schedule that overlaps collectives with compute must not wait for the device b
 them (a synchronising read would wait for the collectives' stream too and serialise
 them): it takes :func:`mark` s, points on the device's timeline that do not wait (a CUDA
 event on the current stream; the host clock on a CPU rank), and reads the intervals
-between them with :func:`between` once the schedule has run.
+between them with :func:`between` once the schedule has run. A static step, which may not
+wait for the device at all (:mod:`occult.ep.static`), is timed the same way: its recorder
+(``Recorder(marks=True)``) keeps each span and collective as an :class:`Interval` of marks,
+read after the step.
 """
 from __future__ import annotations
 
@@ -32,17 +35,14 @@ from typing import Iterator, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from . import context
+
 CLOCK = "host"
 CUDA_CLOCK = "cuda-synchronized"
-# the CUDA device this process's rank computes on (None: a CPU rank); set by use_device
-_SYNC_DEVICE = None
-
-
 def use_device(device) -> None:
-    """Times this process's rank on ``device`` from now on (a CUDA device: synchronised reads)."""
-    global _SYNC_DEVICE
-    device = torch.device(device)
-    _SYNC_DEVICE = device if device.type == "cuda" else None
+    """Times this process's rank on ``device`` from now on (a CUDA device: synchronised
+    reads): the run context's ``sync_device`` (:func:`occult.ep.context.use_device`)."""
+    context.use_device(device)
 
 
 def clock_name(backend: str) -> str:
@@ -50,18 +50,26 @@ def clock_name(backend: str) -> str:
     return CUDA_CLOCK if backend == "nccl" else CLOCK
 
 
+# called with what is about to synchronise, before :func:`clock` or :func:`between` reads
+# (None: nothing); :func:`occult.ep.host_sync.no_host_sync` sets it to refuse them
+ON_SYNC = None
+
+
 def clock() -> float:
     """Seconds on the measuring clock (only differences mean anything); on a CUDA rank,
     after the device has finished its queued work."""
-    if _SYNC_DEVICE is not None:
-        torch.cuda.synchronize(_SYNC_DEVICE)
+    if ON_SYNC is not None:
+        ON_SYNC("occult.ep.measure.clock() synchronises the device")
+    device = context.current().sync_device
+    if device is not None:
+        torch.cuda.synchronize(device)
     return perf_counter()
 
 
 def mark():
     """A point on this rank's timeline that does not wait for the device: a CUDA event
     recorded on the current stream (CUDA rank) or the host clock (CPU rank)."""
-    if _SYNC_DEVICE is None:
+    if context.current().sync_device is None:
         return perf_counter()
     event = torch.cuda.Event(enable_timing=True)
     event.record()
@@ -70,10 +78,25 @@ def mark():
 
 def between(start, end) -> float:
     """Seconds from mark ``start`` to mark ``end`` (on CUDA, waits until ``end`` is reached)."""
+    if ON_SYNC is not None:
+        ON_SYNC("occult.ep.measure.between() waits for the device")
     if isinstance(start, float):
         return end - start
     end.synchronize()
     return start.elapsed_time(end) / 1e3
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The interval from mark ``start`` to mark ``end`` (:func:`mark`), read later: a timed
+    thing of a step that may not wait for the device (a static step's, ``Recorder(marks=True)``),
+    read by :meth:`occult.ep.accounting.Recorder.settle` after the step."""
+
+    start: object
+    end: object
+
+    def seconds(self) -> float:
+        return between(self.start, self.end)
 
 
 def barrier(ep) -> float:

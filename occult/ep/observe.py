@@ -6,6 +6,11 @@ observes them instead. The rows per peer come from the buffer that really went i
 the collective (set on the :class:`CallTrace` from its shape), the time from the
 measuring clock around the call; in backward, identity autograd probes placed on the
 exchange's input and output start and stop the clock when the gradient reaches them.
+
+Inside a co-executed strand (:mod:`occult.ep.strands`) such a collective cannot hand the
+turn over: the library blocks in it, and no other strand computes meanwhile. Its start and
+end are then marks (read once every strand has ended), and its whole time is logged as
+the ``exposed_comm`` it is (none of it hidden), beside the collective itself.
 """
 from __future__ import annotations
 
@@ -15,7 +20,33 @@ from typing import Callable, Optional
 import torch
 
 from .accounting import Recorder
-from .measure import barrier, clock
+from .measure import barrier, between, mark
+from .strands import current_strand
+
+
+def observed_start(rec: Recorder) -> object:
+    """The start of an observed collective: ``rec``'s (:meth:`Recorder.now`), or a mark inside a strand."""
+    return mark() if current_strand() is not None else rec.now()
+
+
+def log_observed(rec: Recorder, layer: int, phase: str, direction: str, rows_P, row_bytes: int, t0,
+                 wait: float = 0.0) -> None:
+    """Logs a library's collective that started at ``t0`` (:func:`observed_start`) and has
+    ended. Inside a strand it could not yield: its whole time is also its ``exposed_comm``
+    (both read once every strand has ended)."""
+    strand = current_strand()
+    if strand is None:
+        rec.log_collective(layer=layer, phase=phase, direction=direction, rows_P=rows_P, row_bytes=row_bytes,
+                           seconds=rec.since(t0), wait_seconds=wait)
+        return
+    end = mark()
+
+    def later() -> None:
+        seconds = between(t0, end)
+        rec.log_collective(layer=layer, phase=phase, direction=direction, rows_P=rows_P, row_bytes=row_bytes,
+                           seconds=seconds, wait_seconds=wait)
+        rec.log_span(layer, "exposed_comm", direction, seconds)
+    strand.later(later)
 
 
 @dataclass
@@ -39,7 +70,7 @@ class CallTrace:
         if rec is None:
             return
         wait = barrier(self.ep) if rec.sync_collectives else 0.0
-        self.started[(phase, direction)] = (clock(), wait)
+        self.started[(phase, direction)] = (observed_start(rec), wait)
 
     def stop(self, phase: str, direction: str) -> None:
         """Just after it: logs the exchange's rows per peer and its time."""
@@ -47,8 +78,7 @@ class CallTrace:
         if rec is None or (phase, direction) not in self.started:
             return
         t0, wait = self.started.pop((phase, direction))
-        rec.log_collective(layer=self.layer, phase=phase, direction=direction, rows_P=self.rows_P,
-                           row_bytes=self.row_bytes, seconds=clock() - t0, wait_seconds=wait)
+        log_observed(rec, self.layer, phase, direction, list(self.rows_P), self.row_bytes, t0, wait)
 
 
 class _Probe(torch.autograd.Function):

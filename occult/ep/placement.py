@@ -12,12 +12,12 @@ placement), T tokens, K top-k.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import torch
 
-from .replica_rules import choose_slots
+from .replica_rules import choose_slots, first_slots, on_device
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,12 @@ class SlotPlacement:
     order) goes to copy ``i mod copies(x)`` (copies in slot order). A system with replica
     options binds its rule when it is built. ``replicas_EP`` is always None (no per-batch
     shadows on a slot placement).
+
+    The placement is static, so its tables (copies per expert, each expert's slots, each
+    slot's local index, each expert's first slot per device) are computed once, on the host,
+    when it is built, and move with it (:meth:`to`): a replica rule decided on the device
+    reads them there, with no host read and no shape that depends on them
+    (``dispatch_mode=static``, :mod:`occult.ep.static`).
     """
 
     expert_S: torch.Tensor
@@ -155,6 +161,8 @@ class SlotPlacement:
     replicas_EP: Optional[torch.Tensor] = None
     replica_policy: str = "round_robin"
     slack: float = 0.1
+    # the tables (None: computed from the slots when the placement is built)
+    tables: Optional[dict] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         S, P, E = self.expert_S.numel(), self.num_devices, self.num_experts
@@ -172,6 +180,25 @@ class SlotPlacement:
         missing = (torch.bincount(self.expert_S, minlength=E) == 0).nonzero().flatten().tolist()
         if missing:
             raise ValueError(f"slot placement: experts {missing} have no slot")
+        if self.tables is None:
+            object.__setattr__(self, "tables", self._tables())
+
+    def _tables(self) -> dict:
+        """The placement's tables (the class docstring), from its slots (where they are: the
+        host when it is built)."""
+        E, S, P = self.num_experts, self.num_slots, self.num_devices
+        arange_S = torch.arange(S, device=self.expert_S.device)
+        copies_E = torch.bincount(self.expert_S, minlength=E)
+        order_S = torch.argsort(self.device_S * S + arange_S)
+        local_S = torch.empty_like(order_S)
+        local_S[order_S] = arange_S % (S // P)
+        order_S = torch.argsort(self.expert_S * S + arange_S)
+        start_E = torch.cumsum(copies_E, 0) - copies_E
+        rank_S = arange_S - start_E[self.expert_S[order_S]]
+        table_EC = torch.full((E, int(copies_E.max()) if S else 0), -1, dtype=torch.long, device=order_S.device)
+        table_EC[self.expert_S[order_S], rank_S] = order_S
+        return {"copies_E": copies_E, "local_S": local_S, "table_EC": table_EC,
+                "first_EP": first_slots(self.expert_S, self.device_S, E, P)}
 
     @property
     def num_slots(self) -> int:
@@ -184,15 +211,15 @@ class SlotPlacement:
 
     def copies_E(self) -> torch.Tensor:
         """Copies of each logical expert: [E] (long)."""
-        return torch.bincount(self.expert_S, minlength=self.num_experts)
+        return self.tables["copies_E"]
 
     def local_slot_S(self) -> torch.Tensor:
         """Each slot's index among its device's slots: [S]."""
-        order_S = torch.argsort(self.device_S * self.num_slots
-                                + torch.arange(self.num_slots, device=self.device_S.device))
-        local_S = torch.empty_like(order_S)
-        local_S[order_S] = torch.arange(self.num_slots, device=order_S.device) % self.num_local
-        return local_S
+        return self.tables["local_S"]
+
+    def first_slot_EP(self) -> torch.Tensor:
+        """The first slot of expert x on device p, -1 where p holds no copy: [E, P]."""
+        return self.tables["first_EP"]
 
     def local_slots(self, device: int) -> torch.Tensor:
         """Slot ids of ``device`` in local order: [e]."""
@@ -205,15 +232,7 @@ class SlotPlacement:
 
     def copy_table_EC(self) -> torch.Tensor:
         """Slots of each expert in slot order, padded with -1: [E, max copies]."""
-        E, S = self.num_experts, self.num_slots
-        order_S = torch.argsort(self.expert_S * S + torch.arange(S, device=self.expert_S.device))
-        copies_E = self.copies_E()
-        start_E = torch.cumsum(copies_E, 0) - copies_E
-        rank_S = torch.arange(S, device=order_S.device) - start_E[self.expert_S[order_S]]
-        table_EC = torch.full((E, int(copies_E.max()) if S else 0), -1, dtype=torch.long,
-                              device=order_S.device)
-        table_EC[self.expert_S[order_S], rank_S] = order_S
-        return table_EC
+        return self.tables["table_EC"]
 
     def pair_slots(self, topk_ids_TK: torch.Tensor, home_T: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The slot that serves each (token, k) pair by this placement's replica rule
@@ -231,18 +250,20 @@ class SlotPlacement:
         """Device and local slot of the copy that serves each pair (:meth:`pair_slots`): two
         [T, K] tensors (a dropped pair reads slot 0's; callers mask it)."""
         slot_TK = self.pair_slots(topk_ids_TK, home_T).clamp_min(0)
-        return self.device_S.to(slot_TK.device)[slot_TK], self.local_slot_S().to(slot_TK.device)[slot_TK]
+        dev = slot_TK.device
+        return on_device(self.device_S, dev)[slot_TK], on_device(self.local_slot_S(), dev)[slot_TK]
 
     def pair_devices(self, topk_ids_TK: torch.Tensor, home_T: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Device of the copy that serves each pair: [T, K]."""
         return self.pair_local(topk_ids_TK, home_T)[0]
 
     def to(self, device) -> "SlotPlacement":
-        """The same placement with its tensors on ``device``."""
+        """The same placement with its tensors, tables included, on ``device``."""
         device = torch.device(device)
         if self.expert_S.device == device:
             return self
-        return replace(self, expert_S=self.expert_S.to(device), device_S=self.device_S.to(device))
+        return replace(self, expert_S=self.expert_S.to(device), device_S=self.device_S.to(device),
+                       tables={k: t.to(device) for k, t in self.tables.items()})
 
     def is_contiguous(self) -> bool:
         """Whether this is the contiguous placement (one copy each, expert i in slot i)."""

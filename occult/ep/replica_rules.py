@@ -21,9 +21,13 @@ extra collective, and any process can compute any rank's choice (plans, C_T). Th
   pairs; the pairs past a device's cap (in token-major order) move to the least-loaded
   device holding a copy of their expert (water-filled per expert, most-requested first).
 
-Within a device the pair goes to its first slot of the expert (two copies on one device
-serve as one; EPLB rarely makes them). Vectorised over tokens and pairs; the loops are
-over the K greedy steps, the sending ranks and the copied experts.
+``round_robin`` counts every copy, two copies on one device included (each its own slot).
+The other rules choose a device, and within it the pair goes to the expert's first slot
+there (two copies on one device serve as one; EPLB rarely makes them). ``round_robin`` and
+``local_first`` are decided on the device: they read the slot placement's tables, computed
+when it was built, with no host read and no data-dependent shape (a static dispatch takes
+them); ``grace`` and ``collaborative`` read counts on the host. Vectorised over tokens and
+pairs; the loops are over the K greedy steps, the sending ranks and the copied experts.
 
 Shapes: T tokens, K top-k, E experts, P devices, S slots, N pairs of one rank.
 """
@@ -39,13 +43,26 @@ REPLICA_POLICIES = ("round_robin", "local_first", "grace", "collaborative")
 DEVICE_POLICIES = ("round_robin", "local_first")
 
 
-def first_slot_EP(placement) -> torch.Tensor:
-    """The first slot of expert x on device p, -1 where p holds no copy: [E, P]."""
-    S, E, P = placement.num_slots, placement.num_experts, placement.num_devices
-    dev = placement.expert_S.device
+def on_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``: itself where it is there (no copy, no call: a placement moved to
+    the rank's device when its system was built), else a copy."""
+    return t if t.device == torch.device(device) else t.to(device)
+
+
+def first_slots(expert_S: torch.Tensor, device_S: torch.Tensor, num_experts: int, num_devices: int) -> torch.Tensor:
+    """The first slot of expert x on device p, -1 where p holds no copy: [E, P] (from the slots
+    ``expert_S``, ``device_S`` of a slot placement, which keeps it: ``first_slot_EP``)."""
+    S, E, P = expert_S.numel(), num_experts, num_devices
+    dev = expert_S.device
     out_EP = torch.full((E * P,), S, dtype=torch.long, device=dev)
-    out_EP.scatter_reduce_(0, placement.expert_S * P + placement.device_S, torch.arange(S, device=dev), "amin")
+    out_EP.scatter_reduce_(0, expert_S * P + device_S, torch.arange(S, device=dev), "amin")
     return torch.where(out_EP < S, out_EP, torch.full_like(out_EP, -1)).view(E, P)
+
+
+def first_slot_EP(placement) -> torch.Tensor:
+    """The first slot of expert x on device p, -1 where p holds no copy: [E, P] (the
+    placement's table)."""
+    return placement.first_slot_EP()
 
 
 def round_robin_slots(placement, topk_ids_TK: torch.Tensor, home_T: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -56,7 +73,7 @@ def round_robin_slots(placement, topk_ids_TK: torch.Tensor, home_T: Optional[tor
     ids_R = topk_ids_TK.flatten()
     keep_R = ids_R >= 0
     home_R = (torch.zeros(T, dtype=torch.long, device=dev) if home_T is None
-              else home_T.to(dev)).repeat_interleave(K)
+              else on_device(home_T, dev)).repeat_interleave(K)
     key_R = torch.where(keep_R, home_R * placement.num_experts + ids_R.clamp_min(0), torch.full_like(ids_R, -1))
     order_R = torch.argsort(key_R, stable=True)
     sorted_key_R = key_R[order_R]
@@ -64,8 +81,9 @@ def round_robin_slots(placement, topk_ids_TK: torch.Tensor, home_T: Optional[tor
     first_R = torch.searchsorted(sorted_key_R, sorted_key_R)       # first position of each key
     index_R = torch.empty_like(pos_R)
     index_R[order_R] = pos_R - first_R                              # i: the pair's index in its group
-    table_EC = placement.copy_table_EC().to(dev)
-    copies_E = placement.copies_E().to(dev)
+    # the placement's tables, computed when it was built (no host read here)
+    table_EC = on_device(placement.copy_table_EC(), dev)
+    copies_E = on_device(placement.copies_E(), dev)
     e_R = ids_R.clamp_min(0)
     slot_R = table_EC[e_R, index_R % copies_E[e_R]]
     return torch.where(keep_R, slot_R, torch.full_like(slot_R, -1)).view(T, K)
@@ -178,8 +196,8 @@ def choose_slots(placement, topk_ids_TK: torch.Tensor, home_T: Optional[torch.Te
         return round_robin_slots(placement, topk_ids_TK, home_T)
     T, K = topk_ids_TK.shape
     dev = topk_ids_TK.device
-    home_T = torch.zeros(T, dtype=torch.long, device=dev) if home_T is None else home_T.to(dev)
-    slot_EP = first_slot_EP(placement).to(dev)
+    home_T = torch.zeros(T, dtype=torch.long, device=dev) if home_T is None else on_device(home_T, dev)
+    slot_EP = on_device(placement.first_slot_EP(), dev)
     has_EP = slot_EP >= 0
     keep_TK = topk_ids_TK >= 0
     ids_TK = topk_ids_TK.clamp_min(0)

@@ -38,14 +38,15 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as nnf
 
 from .accounting import Recorder, backward_span, span
+from .capabilities import refusal
+from .context import current, entered
 from .comm import Exchange, all_to_all_fixed
 from .payload import wire_row_bytes
 from .permute import home_of
@@ -63,25 +64,21 @@ class StaticConfig(SystemConfig):
     dispatch_mode: str = "dynamic"      # dynamic (split sizes exchanged) | static (fixed buffers)
     max_tokens_per_rank: int = 0        # static: tokens per rank a call may hold (0: the task's tokens per rank)
 
-    # why a subclass's system has no static path (it inherits the options of one that has):
-    # "" for a system that takes dispatch_mode=static
-    no_static: ClassVar[str] = ""
-
     def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
         super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
         if self.dispatch_mode not in DISPATCH_MODES:
             raise ValueError(f"system.dispatch_mode={self.dispatch_mode!r}: allowed values are {list(DISPATCH_MODES)}")
-        if self.is_static() and self.no_static:
-            raise ValueError(f"system.dispatch_mode=static: system {self.name} cannot take it ({self.no_static}); "
-                             "allowed value: dynamic")
+        if self.is_static() and not self.capabilities().has("static_dispatch"):
+            why = refusal(self.name, self.capabilities(), "static_dispatch")
+            raise ValueError(f"system.dispatch_mode=static: {why}; allowed value: dynamic")
         if self.max_tokens_per_rank < 0:
             raise ValueError(f"system.max_tokens_per_rank={self.max_tokens_per_rank}: must be >= 0 "
                              "(0: the task's tokens per rank)")
-        rule = getattr(self, "replica_policy", "round_robin")
+        rule = self.replica_rule()
         if self.is_static() and rule not in DEVICE_POLICIES:
             raise ValueError(f"system.replica_policy={rule!r}: its choice is made on the host, which "
                              f"dispatch_mode=static may not read; allowed values with it: {list(DEVICE_POLICIES)}")
-        if self.is_static() and getattr(self, "compressed", lambda: False)():
+        if self.is_static() and self.compressed():
             raise ValueError("system.dispatch_mode=static sends rows as they are: allowed payloads with it are "
                              "payload=fp32, combine_payload=null")
 
@@ -97,28 +94,30 @@ class StaticConfig(SystemConfig):
         return dataclasses.replace(self, max_tokens_per_rank=max(1, int(tokens_per_rank)))
 
     def other_exact_paths(self) -> list:
-        static = [] if self.is_static() or self.no_static else [{"dispatch_mode": "static"}]
+        can = self.capabilities().has("static_dispatch")
+        static = [] if self.is_static() or not can else [{"dispatch_mode": "static"}]
         return super().other_exact_paths() + static
-
-
-_DYNAMIC: ContextVar = ContextVar("occult_dynamic_calls", default=False)
 
 
 @contextmanager
 def dynamic_calls():
     """Layer calls inside run the dynamic dispatch even on a static system: a decode task's
     prompt (production runs prefill with its normal-mode kernels, decode steps with the
-    low-latency ones)."""
-    token = _DYNAMIC.set(True)
-    try:
+    low-latency ones). The run context's ``dynamic`` (:func:`occult.ep.context.entered`)."""
+    with entered(dynamic=True):
         yield
-    finally:
-        _DYNAMIC.reset(token)
 
 
 def runs_static(config) -> bool:
     """Whether a call of a system with ``config`` takes its static path now."""
-    return getattr(config, "dispatch_mode", "dynamic") == "static" and not _DYNAMIC.get()
+    return config.is_static() and not current().dynamic
+
+
+def times_by_marks(config) -> bool:
+    """Whether a run of a system with ``config`` times its steps by marks
+    (``Recorder(marks=True)``: no span or collective waits for the device, the times read
+    after the step): a static dispatch's, whose steps may not synchronise."""
+    return config.is_static()
 
 
 def capacity(config, num_tokens: int, layer: int, rank: int) -> int:

@@ -15,7 +15,8 @@ runs while micro-batch 0's dispatch is in flight, micro-batch 0's experts while 
 knowing (any family, any system whose collectives go through :mod:`occult.ep.comm`).
 Collectives start in an order fixed by the schedule (round robin over the live strands,
 one collective per turn), the same on every rank. A collective a library runs by itself
-(deepspeed, tutel) is synchronous: correct, and not overlapped.
+(deepspeed, tutel) is synchronous: correct, and not overlapped; its whole time is its
+``exposed_comm`` (:func:`occult.ep.observe.log_observed`).
 
 What is measured: ``exposed_comm``, per collective, the time from the turn coming back to
 the collective's end: communication that the other strands' compute did not hide. Times
@@ -36,14 +37,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .context import current, entered
 from .measure import between, mark
 
-_LOCAL = threading.local()
-
-
 def current_strand() -> Optional["Strand"]:
-    """The strand this thread runs (None outside co-execution)."""
-    return getattr(_LOCAL, "strand", None)
+    """The strand this thread runs (None outside co-execution): the run context's ``strand``."""
+    return current().strand
 
 
 class Strand:
@@ -117,7 +116,10 @@ class Strands:
         streams = [torch.cuda.Stream(device) for _ in range(self.n)] if caller_stream is not None else []
 
         def body(i: int) -> None:
-            _LOCAL.strand = Strand(self, i)
+            with entered(strand=Strand(self, i)):
+                run(i)
+
+        def run(i: int) -> None:
             try:
                 with self._cond:
                     self._cond.wait_for(lambda: self._turn == i)
@@ -132,7 +134,6 @@ class Strands:
             except BaseException as exc:          # noqa: BLE001 - re-raised by the caller
                 errors[i] = exc
             finally:
-                _LOCAL.strand = None
                 self._finish(i)
 
         threads = [threading.Thread(target=contextvars.copy_context().run, args=(body, i), daemon=True,

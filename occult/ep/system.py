@@ -22,12 +22,13 @@ import dataclasses
 import importlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import TYPE_CHECKING, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from ..errors import ConfigError
+from .capabilities import Capabilities, check_declared
 from .payload import PAYLOADS
 from .placement import Placement
 from .replica_rules import REPLICA_POLICIES
@@ -57,28 +58,56 @@ class SystemConfig:
     """The options of one system; subclasses add theirs (typed, with their defaults).
 
     ``name`` is the system's config name (the ``system`` column of every row),
-    ``_target_`` its class. The methods say what the options mean for a run.
+    ``_target_`` its class. The methods say what the options mean for a run; what the
+    class can do is its :class:`occult.ep.capabilities.Capabilities` record
+    (:meth:`capabilities`).
     """
 
     name: str = MISSING
     _target_: str = MISSING
 
-    # whether build() makes a dispatcher (False: the model's own MoE blocks, no EP)
-    expert_parallel: ClassVar[bool] = True
-    # whether the system takes routing with dropped pairs (ids = occult.ep.router.NO_EXPERT)
-    accepts_dropped_pairs: ClassVar[bool] = False
-    # whether the system runs on a slot placement (occult.ep.placement.SlotPlacement: copies of
-    # experts, each pair served by the copy its replica rule picks)
-    slot_placements: ClassVar[bool] = False
-
     def system_class(self) -> type:
         """The class that ``_target_`` names."""
         return import_object(self._target_)
 
+    def capabilities(self) -> Capabilities:
+        """The system's capability record: its class's (a wrapper answers with its base's
+        where the base runs the layer)."""
+        return check_declared(self.system_class())
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether build() makes a dispatcher (False: the model's own MoE blocks, no EP)."""
+        return self.capabilities().expert_parallel
+
+    @property
+    def accepts_dropped_pairs(self) -> bool:
+        """Whether the system takes routing with dropped pairs (ids = occult.ep.router.NO_EXPERT)."""
+        return self.capabilities().dropped_pairs
+
+    @property
+    def slot_placements(self) -> bool:
+        """Whether the system runs on a slot placement (:class:`occult.ep.placement.SlotPlacement`:
+        copies of experts, each pair served by the copy its replica rule picks)."""
+        return bool(self.capabilities().replica_rules)
+
+    def is_static(self) -> bool:
+        """Whether the options ask for the static dispatch (:class:`occult.ep.static.StaticConfig`)."""
+        return False
+
+    def compressed(self) -> bool:
+        """Whether either exchange's rows cross compressed (:class:`PayloadConfig`)."""
+        return False
+
+    def replica_rule(self) -> str:
+        """The replica rule that picks a copy on a slot placement (:class:`ReplicaConfig`);
+        a system without slots has one device per expert: ``round_robin`` picks it."""
+        return "round_robin"
+
     @property
     def impl(self) -> str:
         """``harness`` or ``library``: who runs the scheme (the ``impl`` column)."""
-        return self.system_class().impl
+        return self.capabilities().impl
 
     def impl_for(self, world_size: int) -> str:
         """Who runs the scheme in a run of ``world_size`` ranks (a system that uses a library
@@ -89,7 +118,7 @@ class SystemConfig:
     def precision(self) -> str:
         """``float64`` or ``float32``: the floating-point type of the system's own arithmetic
         (``Dispatcher.precision``), the key of its parity tolerance."""
-        return self.system_class().precision
+        return self.capabilities().precision
 
     def options(self) -> dict:
         """Every option but ``name`` and ``_target_``."""
@@ -116,7 +145,7 @@ class SystemConfig:
     def is_exact(self) -> bool:
         """Whether the system with these options returns exactly top-k MoE (False for
         schemes that drop tokens or change the routing)."""
-        return self.system_class().exact
+        return self.capabilities().exact_forward
 
     def lossless_options(self) -> dict:
         """For a lossy system: the options that switch its loss off (with them it must be
@@ -139,10 +168,7 @@ class SystemConfig:
     def plan_refusal(self) -> str:
         """Why this system has no traffic plan (:meth:`occult.ep.dispatcher.Dispatcher.plan`),
         or "" when it has one."""
-        cls = self.system_class()
-        if cls.has_plan():
-            return ""
-        return cls.no_plan or f"{cls.__module__}.{cls.__qualname__} does not implement Dispatcher.plan"
+        return self.capabilities().why_not("traffic_plan")
 
     def layer_placement(self, layer: int, num_experts: int, world_size: int) -> Placement:
         """The placement of MoE layer ``layer`` (contiguous unless a system says otherwise,
@@ -172,10 +198,10 @@ class PayloadConfig(SystemConfig):
 
     def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
         super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
-        for key in ("payload", "combine_payload"):
-            value = getattr(self, key)
-            if value not in PAYLOADS and not (key == "combine_payload" and value is None):
-                raise ValueError(f"system.{key}={value!r}: allowed values are {list(PAYLOADS)}"
+        takes = [p for p in PAYLOADS if p in self.capabilities().payloads]
+        for key, value in (("payload", self.payload), ("combine_payload", self.combine_payload)):
+            if value not in takes and not (key == "combine_payload" and value is None):
+                raise ValueError(f"system.{key}={value!r}: allowed values are {takes}"
                                  + (" or null (as payload)" if key == "combine_payload" else ""))
 
     def lossless_options(self) -> dict:
@@ -204,18 +230,20 @@ class ReplicaConfig(SystemConfig):
     (:mod:`occult.ep.replica_rules`). On a placement without copies every rule is the
     placement's one device per expert (the run logs a note, :meth:`replica_note`)."""
 
-    slot_placements: ClassVar[bool] = True
     replica_policy: str = "round_robin"    # round_robin | local_first | grace | collaborative
     slack: float = 0.1                     # collaborative: per-device cap (1 + slack) x mean load
 
     def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
         super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
-        if self.replica_policy not in REPLICA_POLICIES:
-            raise ValueError(f"system.replica_policy={self.replica_policy!r}: allowed values are "
-                             f"{list(REPLICA_POLICIES)}")
+        rules = [r for r in REPLICA_POLICIES if r in self.capabilities().replica_rules]
+        if self.replica_policy not in rules:
+            raise ValueError(f"system.replica_policy={self.replica_policy!r}: allowed values are {rules}")
         if not self.slack >= 0:
             raise ValueError(f"system.slack={self.slack}: must be >= 0 (the collaborative rule's per-device "
                              "load cap is (1 + slack) x the mean)")
+
+    def replica_rule(self) -> str:
+        return self.replica_policy
 
     def bind_placement(self, placement):
         return placement.with_rule(self.replica_policy, self.slack) if hasattr(placement, "with_rule") else placement
@@ -229,7 +257,9 @@ class ReplicaConfig(SystemConfig):
 
 
 def system_schema(cls: type) -> type:
-    """The typed config class of a system class (its nested ``Config``)."""
+    """The typed config class of a system class (its nested ``Config``); a class without a
+    nested ``Config`` or its own capability record is not a system (one-line error)."""
+    check_declared(cls)
     schema = getattr(cls, "Config", None)
     if not (isinstance(schema, type) and issubclass(schema, SystemConfig)):
         raise ConfigError(f"{cls.__module__}.{cls.__qualname__} is not a system: it needs a nested "

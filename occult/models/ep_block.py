@@ -71,10 +71,11 @@ class EPMoEBlock(nn.Module):
 
     def start(self, x: torch.Tensor):
         """Routes ``x`` and starts its dispatch, for a system that can start one ahead of the
-        layer (``start_moe``; :mod:`occult.models.shortcut`): what :meth:`finish` takes, or
-        None (the system cannot, or the layer transforms its routing)."""
+        layer (its record's ``shortcut_overlap``: ``start_moe``; :mod:`occult.models.shortcut`):
+        what :meth:`finish` takes, or None (the system cannot, or the layer transforms its routing)."""
         li = self.layer_idx
-        if not hasattr(self.dispatcher, "start_moe") or self.dispatcher.routing_transform(li) is not None:
+        can = self.dispatcher.config.capabilities().shortcut_overlap
+        if not can or self.dispatcher.routing_transform(li) is not None:
             return None
         x_TD = x.reshape(-1, x.shape[-1])
         rec = active_recorder()

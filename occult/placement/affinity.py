@@ -73,10 +73,12 @@ def affinity_slots(load_E: torch.Tensor, co_EE: torch.Tensor, copies_E: torch.Te
 
 
 def affinity_placements(ids_by_layer: dict, num_experts: int, num_redundant: int, num_devices: int,
-                        devices_per_node: int = 0, affinity_weight: float = AFFINITY_WEIGHT) -> dict:
+                        devices_per_node: int = 0, affinity_weight: float = AFFINITY_WEIGHT,
+                        num_groups: int = 1) -> dict:
     """``{layer: SlotPlacement}`` from ``{layer: profiling top-k ids [N, K]}``: EPLB's replica
-    counts for ``num_redundant`` extra slots (the real library's ``logcnt``), packed by
-    :func:`affinity_slots`."""
+    counts for ``num_redundant`` extra slots (the real library's ``logcnt``, with the model's
+    expert groups ``num_groups``: :func:`occult.placement.eplb.eplb_rebalance`), packed by
+    :func:`affinity_slots` (over every GPU, whatever its node)."""
     from .coactivation import coactivation
 
     err = num_redundant_error(num_redundant, num_experts, num_devices)
@@ -85,7 +87,8 @@ def affinity_placements(ids_by_layer: dict, num_experts: int, num_redundant: int
     layers = sorted(ids_by_layer)
     load_LE = torch.stack([torch.bincount(ids_by_layer[layer].flatten().cpu(), minlength=num_experts).double()
                            for layer in layers])
-    _, _, logcnt_LE = eplb_rebalance(load_LE, num_experts + num_redundant, num_devices, devices_per_node)
+    _, _, logcnt_LE = eplb_rebalance(load_LE, num_experts + num_redundant, num_devices, devices_per_node,
+                                  num_groups)
     return {layer: affinity_slots(load_LE[i], coactivation(ids_by_layer[layer].cpu(), num_experts),
                                   logcnt_LE[i], num_devices, affinity_weight)
             for i, layer in enumerate(layers)}

@@ -8,7 +8,11 @@ lazily, here only. From the expert loads of a profiling set it returns, per laye
 ``phy2log`` (physical slot -> logical expert), ``log2phy`` and ``logcnt``:
 ``rebalance_experts(weight [L, E], num_replicas, num_groups, num_nodes, num_gpus)``,
 hierarchical (groups packed to nodes, then GPUs) when the groups divide over the nodes,
-else global. EPLB balances load only; co-activation (C_T) is not its concern.
+else global. The groups are the model's expert groups (``model.n_group``, the groups its
+router limits a token to; DeepSeek-V3's serving passes them), else one group: EPLB's
+global policy, which may put any expert's copies on any node. (Never the nodes themselves:
+one group per node pins each group of E / nodes experts to its node, and node packing then
+has nothing to move.) EPLB balances load only; co-activation (C_T) is not its concern.
 
 A slot placement artifact (format :data:`SLOT_FORMAT`, one JSON file) holds every layer's
 slots (``expert_S``, ``device_S``), the world it is for, and ``built_by`` (what built it:
@@ -54,21 +58,31 @@ def _eplb():
     return eplb
 
 
-def eplb_rebalance(load_LE: torch.Tensor, num_slots: int, num_devices: int, devices_per_node: int = 0):
+def eplb_groups(num_groups: int, num_experts: int, num_nodes: int) -> int:
+    """The expert groups EPLB is given: the model's ``num_groups`` (``model.n_group``) when
+    they split E and divide over the nodes (its hierarchical policy), else 1 (its global
+    policy)."""
+    G = int(num_groups or 1)
+    return G if G > 1 and num_experts % G == 0 and G % num_nodes == 0 else 1
+
+
+def eplb_rebalance(load_LE: torch.Tensor, num_slots: int, num_devices: int, devices_per_node: int = 0,
+                   num_groups: int = 1):
     """EPLB's ``rebalance_experts`` on the loads ``load_LE`` for ``num_slots`` physical slots on
-    ``num_devices`` GPUs (``devices_per_node``: 0, one node). The expert groups are the nodes
-    (hierarchical) when there are several nodes and they divide E, else one group (global).
-    Returns ``(phy2log_LS, log2phy_LEX, logcnt_LE)`` as the library returns them."""
+    ``num_devices`` GPUs (``devices_per_node``: 0, one node), with the model's expert groups
+    ``num_groups`` (``model.n_group``; :func:`eplb_groups`). Returns ``(phy2log_LS,
+    log2phy_LEX, logcnt_LE)`` as the library returns them."""
     E = load_LE.shape[1]
     nodes = num_devices // devices_per_node if devices_per_node else 1
-    groups = nodes if nodes > 1 and E % nodes == 0 else 1
+    groups = eplb_groups(num_groups, E, nodes)
     return _eplb().rebalance_experts(load_LE.double().cpu(), num_slots, groups, nodes, num_devices)
 
 
 def eplb_placements(load_by_layer: dict, num_redundant: int, num_devices: int,
-                    devices_per_node: int = 0) -> dict:
+                    devices_per_node: int = 0, num_groups: int = 1) -> dict:
     """``{layer: SlotPlacement}`` built by EPLB from ``{layer: load_E}`` (pairs per expert on
-    the profiling set) with ``num_redundant`` extra slots."""
+    the profiling set) with ``num_redundant`` extra slots (``num_groups``: the model's expert
+    groups, :func:`eplb_rebalance`)."""
     layers = sorted(load_by_layer)
     load_LE = torch.stack([torch.as_tensor(load_by_layer[layer], dtype=torch.float64, device="cpu")
                            for layer in layers])
@@ -76,7 +90,8 @@ def eplb_placements(load_by_layer: dict, num_redundant: int, num_devices: int,
     err = num_redundant_error(num_redundant, E, num_devices)
     if err:
         raise ValueError(err)
-    phy2log_LS, _, logcnt_LE = eplb_rebalance(load_LE, E + num_redundant, num_devices, devices_per_node)
+    phy2log_LS, _, logcnt_LE = eplb_rebalance(load_LE, E + num_redundant, num_devices, devices_per_node,
+                                                num_groups)
     out = {}
     for i, layer in enumerate(layers):
         pl = SlotPlacement.from_phy2log(phy2log_LS[i], num_devices, E)

@@ -32,10 +32,11 @@ from omegaconf import OmegaConf
 
 from ..ep import Recorder, system_config
 from ..ep.measure import barrier, iterations, stopwatch
+from ..ep.static import times_by_marks
 from ..errors import ConfigError
 from ..memory import saved_activation_bytes
 from ..records import config_hash, row
-from .common import comm_rows, parity_gate, routing_rows
+from .common import comm_rows, model_parity_gate, parity_gate, routing_rows
 from .layer import build_layer, make_inputs, time_iteration
 from .options import task_config
 
@@ -87,6 +88,8 @@ def prepare(cfg_dict: dict) -> dict:
         try:
             config.check(num_experts=m["num_experts"], top_k=m["top_k"], world_size=P)
             config.check_task(task.name)
+            if task.whole_model:
+                config.check_task(task.workload)       # the task whose iterations it runs
         except ValueError as exc:
             raise ConfigError(f"task.compare[{i}]: {exc}") from exc
         systems.append(system)
@@ -118,7 +121,7 @@ def run_rank(ctx, cfg_dict: dict) -> list:
         rows.append(parity_gate(ctx, first, config, t.routing, layer.dispatcher.placement)
                     if t.check_parity else [])
         layers.append(layer)
-        recs.append(Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives))
+        recs.append(Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives, marks=times_by_marks(config)))
     x_TD, ids_TK, grad_TD = make_inputs(ctx, first)
     for i, layer in enumerate(layers):
         act = saved_activation_bytes(layer, x_TD.clone().requires_grad_(True), None, ids_TK)
@@ -210,11 +213,11 @@ def model_rank(ctx, cfg_dict: dict) -> list:
     base = base_model(cfg, m.vocab_size or tok.vocab_size, cfg.get("checkpoint"), device=ctx.device)
     works, recs, rows = [], [], []
     for config in systems:
-        rows.append(parity_gate(ctx, cfg, config, "router")
+        rows.append(parity_gate(ctx, cfg, config, "router") + model_parity_gate(ctx, cfg, config)
                     if t.check_parity and config.expert_parallel else [])
         model = make_rank_model(ctx, copy.deepcopy(base), cfg, system=config, tokens_per_rank=call_tokens(cfg))
         works.append(WORKLOADS[t.workload](ctx, cfg, tok, model))
-        recs.append(Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives))
+        recs.append(Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives, marks=times_by_marks(config)))
     for sample in iterations(ctx.ep, t.warmup, t.iters):
         for i in turns(len(works), sample):
             recs[i].clear()

@@ -1,15 +1,17 @@
-"""Pieces every task uses: the parity gate, recorder -> rows."""
+"""Pieces every task uses: the parity gates (a layer; the whole model under the run's
+schedule), recorder -> rows."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+from omegaconf import OmegaConf
 
 from ..ep import Placement, Recorder, system_config
 from ..ep.accounting import TokenDevices, token_devices
 from ..ep.measure import gather_objects, sum_over_ranks
 from ..models.families import family_of, gate_rule
-from ..parity import TOLERANCE, LayerCase, check_layer, disagreements
+from ..parity import TOLERANCE, LayerCase, check_layer, check_model, disagreements
 from ..records import row
 
 
@@ -26,21 +28,15 @@ def parity_gate(ctx, cfg, system, routing: str, placement: Optional[Placement] =
 
     Returns result rows with the relative errors.
     """
-    config = system_config(system)
+    config, rows = _checked_config(system, ctx.rank)
+    if config is None:
+        return rows + [row("parity_checked", 0.0, "bool", rank=ctx.rank)]
     m = cfg.model
     case = LayerCase(m.num_experts, m.top_k, tuple([cfg.task.parity_tokens] * ctx.world_size),
                      routing="router" if routing == "router" else "uniform", seed=cfg.seed,
                      rule=gate_rule(m), bias=bool(m.family) and family_of(m.family).correction_bias)
     if placement is None:
         placement = config.layer_placement(m.get("first_k_dense", 0), m.num_experts, ctx.world_size)
-    rows = []
-    if not config.is_exact():
-        off = config.lossless_options()
-        if not off:
-            # a scheme that drops tokens or changes the routing is not top-k MoE by design
-            return [row("parity_checked", 0.0, "bool", rank=ctx.rank)]
-        config = system_config({"name": config.name, "_target_": config._target_, **config.options(), **off})
-        rows.append(row("loss_off_parity", 1.0, "bool", rank=ctx.rank))
     res = check_layer(ctx, config, case, placement)
     bad = disagreements(res, config)
     if bad:
@@ -50,6 +46,85 @@ def parity_gate(ctx, cfg, system, routing: str, placement: Optional[Placement] =
                              f"{rel_tol:g}, absolute {abs_tol:g}); nothing was timed")
     return rows + [row("parity_checked", 1.0, "bool", rank=ctx.rank)] + \
         [row(f"parity_{k}", v, "ratio", rank=ctx.rank) for k, v in res["errors"].items()]
+
+
+def _checked_config(system, rank: int) -> tuple:
+    """The config a parity check runs for ``system``: itself when exact, else with its loss
+    switched off (``lossless_options``; row ``loss_off_parity``), or None when its loss cannot
+    be (a scheme that drops tokens or changes the routing is not top-k MoE by design).
+    ``(config or None, rows)``."""
+    config = system_config(system)
+    if config.is_exact():
+        return config, []
+    off = config.lossless_options()
+    if not off:
+        return None, []
+    return (system_config({"name": config.name, "_target_": config._target_, **config.options(), **off}),
+            [row("loss_off_parity", 1.0, "bool", rank=rank)])
+
+
+def schedule_changes(cfg) -> list:
+    """What of the run makes the model compute other than layer by layer, each layer as
+    alone (what the whole-model gate checks; [] for none): co-executed micro-batches
+    (``task.microbatches``), a shortcut-connected model (each MoE block reads the one
+    before it), sequence migration, a gradient sync that starts during the backward."""
+    t, m = cfg.task, cfg.model
+    out = []
+    if int(t.get("microbatches", 1)) > 1:
+        out.append(f"task.microbatches={t.microbatches}")
+    if m.get("family") and family_of(m.family).shortcut:
+        out.append(f"model.family={m.family} (shortcut-connected)")
+    if t.get("migration", False):
+        out.append("task.migration=true")
+    if t.get("grad_sync", "end") != "end":
+        out.append(f"task.grad_sync={t.grad_sync}")
+    return out
+
+
+# the whole-model gate's tolerance (relative, on every quantity) by the system's precision:
+# the layer gate's relative one (measured for Tutel, float32, on the OLMoE and ScMoE proxies'
+# whole models at P = 2: at most 3.0e-7, logits and every gradient)
+MODEL_TOLERANCE = {precision: rel for precision, (rel, _) in TOLERANCE.items()}
+
+
+def model_parity_gate(ctx, cfg, system, placements: Optional[dict] = None, wrap: Optional[Callable] = None) -> list:
+    """Where the run changes what the model computes beyond one layer
+    (:func:`schedule_changes`): the whole model (the run's family, widths, layers and router;
+    seeded random weights, float64, a 256-token vocabulary) under the run's schedule
+    (micro-batches co-executed, its gradient sync, ``wrap``: e.g. sequence migration) and
+    placements (``{layer: placement}``), forward, and for a training run backward (when
+    the forward agrees on every rank), against the single-device model
+    (:func:`occult.parity.check_model`), on ``max(microbatches, 2)`` sequences per rank of
+    ``task.parity_tokens`` tokens in all; raises if any quantity is off by more than
+    :data:`MODEL_TOLERANCE`. Returns rows (``model_parity_checked``, ``model_parity_*``);
+    none when nothing of the schedule changes."""
+    changes = schedule_changes(cfg)
+    if not changes:
+        return []
+    config, rows = _checked_config(system, ctx.rank)
+    if config is None:
+        return rows + [row("model_parity_checked", 0.0, "bool", rank=ctx.rank)]
+    t = cfg.task
+    batch = max(int(t.get("microbatches", 1)), 2)
+    seq_len = max(2, t.parity_tokens // batch)
+    schedule = {k: t[k] for k in ("microbatches", "grad_sync") if k in t}
+    cfg_dict = {"model": {**OmegaConf.to_container(cfg.model, resolve=True), "dtype": "float64"},
+                "seed": cfg.seed, "task": schedule}
+    tol = MODEL_TOLERANCE[config.precision]
+    trains = "train" in (t.get("name"), t.get("workload"))
+    res = check_model(ctx, cfg_dict, batch, seq_len, placements=placements, system=config, wrap=wrap,
+                      forward_tolerance=tol, backward=trains)
+    bad = {k: v for k, v in res["errors"].items() if not v <= tol}
+    if bad or not res["forward_agrees"]:
+        what = (f"relative errors {bad}" if bad else f"another rank's forward is off (this rank's relative errors "
+                                                     f"{res['errors']})")
+        if trains and not res["backward"]:
+            what += ", the backward not run"
+        raise AssertionError(f"system={config.name} under {', '.join(changes)}: the whole model disagrees with the "
+                             f"single-device model ({what}; tolerance for {config.precision}: {tol:g}); "
+                             "nothing was timed")
+    return rows + [row("model_parity_checked", 1.0, "bool", rank=ctx.rank)] + \
+        [row(f"model_parity_{k}", v, "ratio", rank=ctx.rank) for k, v in res["errors"].items()]
 
 
 def bandwidth_rows(ev, world_size: int, sample: int) -> list:
@@ -68,6 +143,7 @@ def bandwidth_rows(ev, world_size: int, sample: int) -> list:
 def timing_rows(rec: Recorder, sample: int) -> list:
     """Spans and collective times of one timed iteration, in ms; each all-to-all's algbw and
     busbw (:func:`bandwidth_rows`)."""
+    rec.settle()            # a recorder that times by marks reads them now, after the step
     rows = [row("time", s * 1e3, "ms", layer=layer, rank=rec.rank, phase=name, direction=direction,
                 sample=sample) for layer, name, direction, s in rec.spans]
     rows += [row("a2a_time", ev.seconds * 1e3, "ms", layer=ev.layer, rank=rec.rank, phase=ev.phase,

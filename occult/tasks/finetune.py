@@ -133,7 +133,7 @@ def run_rank(ctx, cfg_dict: dict) -> list:
     cfg = OmegaConf.create(cfg_dict)
     t = cfg.task
     fam = family_of(cfg.model.family)
-    model, tok, rows = model_task.setup(ctx, cfg)
+    model, tok, rows = model_task.setup(ctx, cfg, model_task.call_tokens(cfg))
     placements = ep_placements(model)
     if not placements:
         raise ValueError(f"task=finetune runs on an expert-parallel system; system={cfg.system.name} has no "

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from ..ep import GroupedExperts, MoELayer, Recorder, TopKRouter, system_config
 from ..ep.measure import barrier, clock, iterations
+from ..ep.static import times_by_marks
 from ..models.families import gate_rule
 from ..records import row
 from ..synthetic import expert_popularity, sample_topk
@@ -126,7 +127,7 @@ def task_placement(ctx, cfg):
         return placements[min(placements)]
     ids_NK = profiling_ids(cfg, ctx.world_size)
     load_E = torch.bincount(ids_NK.flatten(), minlength=cfg.model.num_experts).double()
-    placements, built_by = slot_placements_of(t, {0: ids_NK}, {0: load_E}, ctx)
+    placements, built_by = slot_placements_of(t, {0: ids_NK}, {0: load_E}, ctx, expert_groups(cfg.model))
     if ctx.rank == 0:
         save_slot_placements(Path(cfg.get("out_dir_resolved") or ".") / f"placement_{t.placement}.json", placements,
                              built_by, {"profiling": f"task.routing={t.routing}, seed {cfg.seed + 1}, "
@@ -135,16 +136,24 @@ def task_placement(ctx, cfg):
     return placements[0]
 
 
-def slot_placements_of(t, ids_by_layer: dict, load_by_layer: dict, ctx) -> tuple[dict, dict]:
+def expert_groups(m) -> int:
+    """The model's expert groups (``model.n_group``: its router's group limit; 1 without one):
+    what EPLB packs onto nodes (:func:`occult.placement.eplb.eplb_rebalance`)."""
+    return int(m.get("n_group", 1) or 1)
+
+
+def slot_placements_of(t, ids_by_layer: dict, load_by_layer: dict, ctx, num_groups: int = 1) -> tuple[dict, dict]:
     """``({layer: SlotPlacement}, built_by)`` for ``task.placement`` eplb (EPLB from the loads)
-    or eplb_affinity (EPLB's counts packed with co-activation, ``task.affinity_weight``)."""
+    or eplb_affinity (EPLB's counts packed with co-activation, ``task.affinity_weight``);
+    ``num_groups``: the model's expert groups (:func:`expert_groups`)."""
     if t.placement == "eplb_affinity":
         from ..placement.affinity import affinity_placements, built_by_affinity
         E = next(iter(load_by_layer.values())).numel()
         return (affinity_placements(ids_by_layer, E, t.num_redundant, ctx.world_size, ctx.ep.devices_per_node,
-                                    t.affinity_weight), built_by_affinity(t.affinity_weight))
+                                    t.affinity_weight, num_groups), built_by_affinity(t.affinity_weight))
     from ..placement.eplb import built_by_eplb, eplb_placements
-    return eplb_placements(load_by_layer, t.num_redundant, ctx.world_size, ctx.ep.devices_per_node), built_by_eplb()
+    return (eplb_placements(load_by_layer, t.num_redundant, ctx.world_size, ctx.ep.devices_per_node, num_groups),
+            built_by_eplb())
 
 
 def run_rank(ctx, cfg_dict: dict) -> list:
@@ -161,7 +170,7 @@ def run_rank(ctx, cfg_dict: dict) -> list:
         from .calibrate import calibration_rows
         rows += calibration_rows(ctx)
     x_TD, ids_TK, grad_TD = make_inputs(ctx, cfg)
-    rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives)
+    rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives, marks=times_by_marks(layer.dispatcher.config))
     for sample in iterations(ctx.ep, t.warmup, t.iters):
         sample_rows = time_iteration(ctx, layer, x_TD, ids_TK, grad_TD, rec, sample, t.backward)
         if sample >= 0:

@@ -3,8 +3,11 @@
 Every rank serves its own sequences (the batch is per rank); under expert
 parallelism the MoE layers exchange tokens, everything else is replicated.
 Before timing, a short parity check compares the system's layer with the
-single-device reference (task.check_parity). Times are kept per rank and per
-sample; over-all-ranks figures (``rank=-1``) use the slowest rank.
+single-device reference (task.check_parity) and, where the run changes what the
+model computes beyond one layer (micro-batches, a shortcut model, migration, an
+overlapped gradient sync), the whole model under that schedule with the
+single-device model. Times are kept per rank and per sample; over-all-ranks
+figures (``rank=-1``) use the slowest rank.
 
 Shapes: B sequences per rank, S sequence length, V vocabulary, N new tokens.
 """
@@ -22,11 +25,12 @@ from ..data.tokenizer import get_tokenizer
 from ..ep import Recorder, system_config
 from ..ep.accounting import recording
 from ..ep.measure import clock, iterations, slowest
-from ..ep.static import dynamic_calls
+from ..ep.static import dynamic_calls, times_by_marks
 from ..models.grad_sync import GRAD_SYNCS, GradSync
 from ..models.runtime import base_model, forward_micro_batches, make_rank_model, micro_batches
 from ..records import row
-from .common import comm_rows, parity_gate, routing_rows, step_span_rows, step_traffic_rows, timing_rows
+from .common import (comm_rows, model_parity_gate, parity_gate, routing_rows, step_span_rows, step_traffic_rows,
+                     timing_rows)
 
 
 def prepare(cfg_dict: dict) -> dict:
@@ -47,8 +51,10 @@ def prepare(cfg_dict: dict) -> dict:
     return cfg_dict
 
 
-def setup(ctx, cfg):
-    """This rank's model (eval mode), tokenizer and the parity rows."""
+def setup(ctx, cfg, tokens_per_call: int):
+    """This rank's model (eval mode), tokenizer and the parity rows. ``tokens_per_call``: the
+    most tokens one rank's layer call holds in the task's work (what a system with fixed
+    buffers is sized by; each task knows it from its own fields, e.g. :func:`call_tokens`)."""
     tok = get_tokenizer(cfg.pretrain.tokenizer_vocab, corpus=cfg.pretrain.corpus)
     vocab = cfg.model.vocab_size or tok.vocab_size
     rows = []
@@ -57,13 +63,24 @@ def setup(ctx, cfg):
     if cfg.task.check_parity and system_config(cfg.system).expert_parallel:
         first = min(placements) if placements else None
         rows += parity_gate(ctx, cfg, cfg.system, "router", placements.get(first))
-    model = make_rank_model(ctx, full, cfg, placements or None, tokens_per_rank=call_tokens(cfg))
+        rows += model_parity_gate(ctx, cfg, cfg.system, placements or None, model_runner(ctx, cfg))
+    model = make_rank_model(ctx, full, cfg, placements or None, tokens_per_rank=tokens_per_call)
     return model.eval(), tok, rows
 
 
+def model_runner(ctx, cfg):
+    """What runs the rank model in this task, beyond the model itself (sequence migration's
+    wrapper, :func:`run_workload`), as a function of the rank model; None for the model."""
+    if not cfg.task.get("migration"):
+        return None
+    from .migration import MigratingModel
+    return lambda model: MigratingModel(ctx, model, _placements(cfg, ctx, model))
+
+
 def call_tokens(cfg) -> int:
-    """The tokens one rank's layer call holds in the timed work (what a system with fixed
-    buffers is sized by): a decode step's B (its prompt runs dynamic), else B S."""
+    """The tokens one rank's layer call holds in the timed work of a task with ``batch_size``
+    and ``seq_len`` (what a system with fixed buffers is sized by): a decode step's B (its
+    prompt runs dynamic), else B S."""
     t = cfg.task
     return t.batch_size if t.get("workload", t.name) == "decode" else t.batch_size * t.seq_len
 
@@ -77,7 +94,7 @@ def task_placements(ctx, cfg, model, tok) -> dict:
     if t == "contiguous":
         return {}
     from ..placement.eplb import load_slot_placements, save_slot_placements
-    from .layer import slot_placements_of
+    from .layer import expert_groups, slot_placements_of
     if t not in ("eplb", "eplb_affinity"):
         return load_slot_placements(t)[0]
     from ..models.families import family_of
@@ -90,7 +107,7 @@ def task_placements(ctx, cfg, model, tok) -> dict:
     E = cfg.model.num_experts
     ids = {layer: ids_NK for layer, (ids_NK, _, _) in routed.items()}
     loads = {layer: torch.bincount(ids_NK.flatten(), minlength=E).double() for layer, ids_NK in ids.items()}
-    placements, built_by = slot_placements_of(cfg.task, ids, loads, ctx)
+    placements, built_by = slot_placements_of(cfg.task, ids, loads, ctx, expert_groups(cfg.model))
     if ctx.rank == 0:
         save_slot_placements(Path(cfg.get("out_dir_resolved") or ".") / f"placement_{t}.json", placements,
                              built_by, {"profiling": f"the model's routers on {n} tokens of the train split "
@@ -285,16 +302,17 @@ def run_workload(ctx, cfg_dict: dict, workload: str) -> list:
     """A whole-model task on this rank: the parity gate, the rank model, warm-up and timed
     iterations of ``workload``, then the last iteration's collectives and routing."""
     cfg = OmegaConf.create(cfg_dict)
-    model, tok, rows = setup(ctx, cfg)
-    if cfg.task.get("migration"):
-        from .migration import MigratingModel
-        model = MigratingModel(ctx, model, _placements(cfg, ctx, model))
+    model, tok, rows = setup(ctx, cfg, call_tokens(cfg))
+    runner = model_runner(ctx, cfg)
+    if runner is not None:
+        model = runner(model)
     work = WORKLOADS[workload](ctx, cfg, tok, model)
     if ctx.rank == 0:       # what the report tells co-executed runs by (their spans hold the other strands' turns)
         rows.append(row("microbatches", work.microbatches, "micro-batches"))
         if isinstance(work, TrainWorkload):     # and the gradient sync's schedule, as its index in GRAD_SYNCS
             rows.append(row("grad_sync_mode", GRAD_SYNCS.index(work.sync.mode), "index"))
-    rec = Recorder(rank=ctx.rank, sync_collectives=cfg.task.sync_collectives)
+    rec = Recorder(rank=ctx.rank, sync_collectives=cfg.task.sync_collectives,
+                   marks=times_by_marks(system_config(cfg.system)))
     for sample in _iterations(ctx, cfg.task, rec):
         rows += work.step(rec, sample)
     return _finish(ctx, cfg, rec, rows, model)

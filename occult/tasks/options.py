@@ -73,6 +73,11 @@ class TaskConf:
         """Raises :class:`ConfigError` (one line) for values that cannot run with this run's
         model and cluster (``cfg``: the composed config), e.g. an input file of another shape."""
 
+    def has_copies(self) -> bool:
+        """Whether the task's placement holds copies of some expert (a task without a
+        placement option: none)."""
+        return False
+
 
 @dataclass
 class Timed(TaskConf):
@@ -91,7 +96,10 @@ class Timed(TaskConf):
 class Gated(TaskConf):
     """The parity gate: before anything is timed, the system against the single-device
     reference on a float64 problem of ``parity_tokens`` tokens per rank, drawn from the run's
-    seed (:func:`occult.tasks.common.parity_gate`)."""
+    seed (:func:`occult.tasks.common.parity_gate`); where a whole-model run changes what the
+    model computes beyond one layer (micro-batches, a shortcut model, migration, an
+    overlapped gradient sync), also the whole model under that schedule, float64, on
+    ``parity_tokens`` tokens per rank (:func:`occult.tasks.common.model_parity_gate`)."""
 
     check_parity: bool = True
     parity_tokens: int = 32
@@ -216,10 +224,12 @@ class Placed(TaskConf):
         from ..placement.eplb import load_slot_placements, num_redundant_error
 
         config = system_config(cfg.system) if self.uses_system else None
-        if config is None or not config.slot_placements:
-            name = config.name if config is not None else f"task={self.name}"
-            raise ConfigError(f"task.placement={self.placement!r}: system {name} does not run on physical slots "
-                              "(systems that do: naive, occult)")
+        if config is None:
+            raise ConfigError(f"task.placement={self.placement!r}: task={self.name} runs no system on physical slots")
+        if not config.slot_placements:
+            from ..ep.capabilities import refusal
+            why = refusal(config.name, config.capabilities(), "slots")
+            raise ConfigError(f"task.placement={self.placement!r}: {why}")
         E, P = cfg.model.num_experts, cfg.cluster.world_size
         if self.placement in ("eplb", "eplb_affinity"):
             err = num_redundant_error(self.num_redundant, E, P)
@@ -273,10 +283,10 @@ class MicroBatched(Text, Exchanges):
         from ..ep import system_config
 
         config = system_config(cfg.system)
-        why = config.system_class().no_co_execution if config.expert_parallel else ""
+        from ..ep.capabilities import refusal
+        why = refusal(config.name, config.capabilities(), "co_execution") if config.expert_parallel else ""
         if why:
-            raise ConfigError(f"task.microbatches={self.microbatches}: system={config.name} does not co-execute "
-                              f"micro-batches ({why}); allowed with it: 1")
+            raise ConfigError(f"task.microbatches={self.microbatches}: {why}; allowed with it: 1")
 
 
 @dataclass
@@ -327,9 +337,14 @@ class Migrated(TaskConf):
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
         from ..ep import system_config
-        if self.migration and not system_config(cfg.system).expert_parallel:
+        from ..ep.capabilities import refusal
+        config = system_config(cfg.system)
+        if self.migration and not config.expert_parallel:
             raise ConfigError(f"task.migration=true: system={cfg.system.name} runs no expert parallelism, so no "
                               "sequence has experts elsewhere to move to; allowed with an expert-parallel system")
+        why = refusal(config.name, config.capabilities(), "migration") if self.migration else ""
+        if why:
+            raise ConfigError(f"task.migration=true: {why}; allowed with it: false")
 
 
 @dataclass
@@ -372,7 +387,7 @@ class DecodeTask(PrefillTask):
         from ..ep.graphs import refusal
 
         system = system_config(cfg.system)
-        why = refusal(cfg.cluster.backend, getattr(system, "dispatch_mode", "dynamic") == "static",
+        why = refusal(cfg.cluster.backend, system.is_static(),
                       torch.cuda.is_available())
         if why:
             raise ConfigError(why)

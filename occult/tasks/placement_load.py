@@ -84,23 +84,24 @@ def layer_placements(cfg, prof_NK: torch.Tensor, devices_per_node: int) -> dict:
     from ..placement import optimise
     from ..placement.affinity import affinity_placements
     from ..placement.eplb import eplb_placements
+    from .layer import expert_groups
 
     t, m, P = cfg.task, cfg.model, cfg.cluster.world_size
-    E = m.num_experts
+    E, G = m.num_experts, expert_groups(m)          # G: the model's expert groups (EPLB's)
     out = {"contiguous": Placement.contiguous(E, P)}
     for name in OPTIMISED:
         out[name] = optimise(name, prof_NK, E, P, load_cap=t.load_cap, seed=cfg.seed, time_limit_s=t.time_limit_s)
     load_E = torch.bincount(prof_NK.flatten(), minlength=E).double()
     counts = redundant_counts(E, P)
     for r in counts:
-        out[f"eplb_r{r}"] = eplb_placements({0: load_E}, r, P, devices_per_node)[0]
+        out[f"eplb_r{r}"] = eplb_placements({0: load_E}, r, P, devices_per_node, G)[0]
         if r:
             out[f"affinity_r{r}"] = affinity_placements({0: prof_NK}, E, r, P, devices_per_node,
-                                                        t.affinity_weight)[0]
+                                                        t.affinity_weight, G)[0]
     for w in WEIGHT_SWEEP:                      # the packing's trade-off, at the smaller count
         if w != t.affinity_weight and len(counts) > 1:
             out[f"affinity_r{counts[1]}_w{w}"] = affinity_placements({0: prof_NK}, E, counts[1], P,
-                                                                     devices_per_node, w)[0]
+                                                                     devices_per_node, w, G)[0]
     return out
 
 

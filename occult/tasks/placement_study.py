@@ -76,7 +76,7 @@ def collect_traces(ctx, cfg) -> tuple[dict, dict, torch.Tensor]:
     from .model import setup
 
     t = cfg.task
-    model, tok, _ = setup(ctx, cfg)
+    model, tok, _ = setup(ctx, cfg, TRACE_WINDOWS_PER_BATCH * t.seq_len)      # the most a traced batch holds
     train_ids = token_ids(t.corpus, t.split, tok)
     windows = max(1, t.tokens_per_rank // t.seq_len)
     per_batch = min(TRACE_WINDOWS_PER_BATCH, windows)

@@ -49,6 +49,8 @@ ARCH_FIELDS = ("family", "num_experts", "top_k", "hidden_size", "expert_ffn_size
 LATER_ARCH_FIELDS = {"scoring_func": "softmax", "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
                      "balance_loss": "switch", "balance_coef": None, "bias_update_speed": 0.0}
 TRAIN_FIELDS = ("steps", "lr", "batch_size", "seq_len", "balance_coef", "tokenizer_vocab", "corpus", "threads")
+# training fields added later, in the key only where they differ from their defaults
+LATER_TRAIN_FIELDS = {"eval_batches": None}
 
 
 def proxy_dir(cfg) -> Path:
@@ -56,7 +58,9 @@ def proxy_dir(cfg) -> Path:
     m, t = OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.pretrain, resolve=True)
     arch = {k: m.get(k) for k in ARCH_FIELDS}
     arch.update({k: m.get(k, d) for k, d in LATER_ARCH_FIELDS.items() if m.get(k, d) != d})
-    key = json.dumps({"arch": arch, "train": {k: t.get(k) for k in TRAIN_FIELDS},
+    train = {k: t.get(k) for k in TRAIN_FIELDS}
+    train.update({k: t.get(k, d) for k, d in LATER_TRAIN_FIELDS.items() if t.get(k, d) != d})
+    key = json.dumps({"arch": arch, "train": train,
                       "seed": cfg.seed, "version": PRETRAIN_VERSION}, sort_keys=True)
     return ROOT / "runs" / "cache" / "proxies" / f"{m['name']}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
@@ -174,8 +178,8 @@ def _pretrain(cfg, out_dir: Path, progress: bool) -> dict:
         bar.set_postfix(loss=f"{lm.item():.3f}", bal=f"{bal.item():.2f}")
     tap.remove()
     wall = time.perf_counter() - t0
-    held_out = evaluate(model, val_ids, 16, t.seq_len)
-    loads = expert_load(model, fam, val_ids, 16, t.seq_len, max_batches=0)
+    held_out = evaluate(model, val_ids, 16, t.seq_len, max_batches=t.eval_batches or 0)
+    loads = expert_load(model, fam, val_ids, 16, t.seq_len, max_batches=t.eval_batches or 0)
     metrics = {"model": m.name, "steps": t.steps, "wall_s": wall, "val": held_out,
                "unigram_val_loss": unigram_loss(train_ids, val_ids, tok.vocab_size),
                "parameters": sum(p.numel() for p in model.parameters()), "vocab_size": tok.vocab_size, "threads": torch.get_num_threads(),

@@ -414,8 +414,7 @@ def node_rows(world: list, world_size: int, devices_per_node: int, layer: int, p
 def dynamic_twin(config):
     """A static-buffer system's config in the dynamic mode (the same system sending only its
     valid rows, split sizes exchanged); None for a system without fixed buffers."""
-    is_static = getattr(config, "is_static", None)
-    return dataclasses.replace(config, dispatch_mode="dynamic") if is_static and is_static() else None
+    return dataclasses.replace(config, dispatch_mode="dynamic") if config.is_static() else None
 
 
 def valid_world(world: list, twin_world: list) -> list:
