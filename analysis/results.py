@@ -264,6 +264,10 @@ def write_index(log: dict) -> Path:
             spread = (f"{_fmt(min(samples), old)} to {_fmt(max(samples), old)} ({len(samples)}, "
                       f"{'iterations' if name in hl.TIMED else 'reruns'})") if samples else "none"
             lines.append(f"| {name} | {h.name} | {old} (:{h.line}) | {_fmt(new, old)} | {spread} | {hl.moved(old, samples)} |")
+    waiting = sorted({h.experiment for h in hl.HEADLINES} - {n for n, e in log.items() if "headlines" in e})
+    if waiting:
+        lines += ["", "Not compared yet (not rerun by `make results`; their hand copies keep their banner): "
+                  + ", ".join(f"[{n}]({n}.md)" for n in waiting) + "."]
     path = DOCS / "index.md"
     path.write_text("\n".join(lines) + "\n")
     return path
