@@ -14,7 +14,7 @@ TUTEL_WHEELS ?= $(firstword $(wildcard ../shared/wheels $(shell git config --get
 TUTEL_COMMIT := 82af7aad9fc3ec981395ba97e7242a480984a55e
 TUTEL_SOURCE ?= git+https://github.com/microsoft/tutel@$(TUTEL_COMMIT)
 
-.PHONY: run test test-all test-triton bench docs docs-systems gpu-check gpu-check-device gpu-wheels gpu-megablocks venv clean
+.PHONY: run test test-all test-triton bench docs docs-systems results gpu-check gpu-check-device gpu-wheels gpu-megablocks venv clean
 
 venv: $(STAMP)
 
@@ -76,6 +76,14 @@ bench: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m analysis.report runs/default_study --publish docs/results
 	$(PY) -m analysis.report $$(ls -d runs/bench/*/ | tail -1) --publish docs/results
+
+# Every experiment whose results are published, rerun here and published again into
+# docs/results/<experiment>.md, then docs/results/index.md (commands, wall times, figures,
+# commits, the headline numbers old vs new): analysis/results.py. Refuses a tree with changes
+# (ALLOW_DIRTY=1 publishes them marked dirty); an experiment finished at this code is skipped,
+# so a rerun resumes. ONLY=fig8_pattern,table1_ct_runtime runs some of them.
+results: $(STAMP)
+	$(PY) -m analysis.results $(if $(ONLY),--only $(ONLY)) $(if $(ALLOW_DIRTY),--allow-dirty)
 
 # docs/systems.md's capability table, from the systems' records (occult/capability_table.py)
 docs-systems: $(STAMP)
