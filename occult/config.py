@@ -12,7 +12,8 @@ The YAML files under ``conf/`` fill these in. Every group has its schema:
   :class:`occult.tasks.options.TaskConf` named by the ``schema`` of its ``task/*.yaml``
   (stored as ``task_schema/<name>``; ``conf/config.yaml``: ``task_schema@task: ${task}``):
   a field the task does not read is not in its schema, so setting it fails at compose time.
-* ``model``, ``cluster`` (runnable worlds), ``pretrain``: the dataclasses below.
+* ``model``, ``cluster`` (runnable worlds), ``pretrain``: the dataclasses of
+  :mod:`occult.schemas` (below every other module, so that any level reads them).
 * ``profile`` (``conf/profile/sim_*.yaml``): projection profiles of clusters that are not
   here; never run on. Their schema, :class:`ProfileConf`, lives beside their one reader
   (:mod:`occult.ep.links`), below the systems that read profiles at run time.
@@ -28,86 +29,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from . import CONF_DIR
+from .schemas import ClusterConf, ModelConf, PretrainConf
 from .ep.links import ProfileConf  # noqa: F401 - the profile group's schema, with the reader below systems
-
-
-@dataclass
-class ModelConf:
-    name: str = MISSING
-    num_experts: int = MISSING          # E, routed experts per MoE layer
-    top_k: int = MISSING                # K
-    hidden_size: int = MISSING          # D
-    expert_ffn_size: int = MISSING      # F
-    norm_topk_prob: bool = False        # renormalise the top-k gate weights
-    # the rest of the router's gate rule (occult.ep.router.GateRule): scores, the weights'
-    # scale, and the group limit (the top-k inside the topk_group best of n_group groups)
-    scoring_func: str = "softmax"       # softmax | sigmoid | sqrtsoftplus
-    routed_scaling_factor: float = 1.0
-    n_group: int = 1
-    topk_group: int = 1
-    dtype: str = "float32"
-    # whole models (tasks prefill / decode / train / pretrain); unused by task=layer
-    family: str = ""                    # occult.models.families.FAMILIES (olmoe, deepseek_v3, mixtral, ...)
-    num_layers: int = 1
-    num_heads: int = 4
-    vocab_size: int = 0                 # 0: the tokenizer's vocabulary
-    num_shared_experts: int = 0
-    shared_expert_ffn_size: int = 0
-    dense_ffn_size: int = 0             # FFN of dense layers (the first first_k_dense layers)
-    first_k_dense: int = 0
-    max_position: int = 2048
-    hf_overrides: Dict[str, Any] = field(default_factory=dict)   # family-specific config fields
-    path: Optional[str] = None          # a local checkpoint folder (config.json + safetensors)
-    proxy: bool = False                 # a CPU proxy: tasks use its pre-trained checkpoint
-    # how a proxy is pre-trained to balance its experts: ``switch`` (E sum_e f_e p_e over the
-    # batch, weight pretrain.balance_coef) | ``sequence`` (DeepSeek-V3's sequence-wise loss
-    # on normalised scores, weight balance_coef) with the correction bias moved by each
-    # step's load at bias_update_speed (DeepSeek-V3's auxiliary-loss-free balancing)
-    balance_loss: str = "switch"
-    balance_coef: Optional[float] = None    # null: pretrain.balance_coef
-    bias_update_speed: float = 0.0
-    init: str = "trained"               # proxies: trained (cached; pre-trained first if missing) | random
-
-
-@dataclass
-class PretrainConf:
-    """How CPU proxies are pre-trained (the cached checkpoint every proxy task uses), and
-    the tokenizer every task on them reads (trained on ``corpus``, ``tokenizer_vocab`` ids)."""
-    steps: int = 400
-    lr: float = 3e-3
-    batch_size: int = 16
-    seq_len: int = 128
-    balance_coef: float = 0.1
-    tokenizer_vocab: int = 4096
-    corpus: str = "shakespeare"
-    eval_every: int = 250
-    # the held-out figures after training (loss, accuracy, expert loads): the first N batches of
-    # 16 validation windows (null: the whole validation split, about 100 batches of the shakespeare corpus)
-    eval_batches: Optional[int] = None
-    # CPU threads of the pre-training process: float sums are ordered by the thread count,
-    # so the checkpoint is bit-for-bit the same on one machine only at the same count
-    threads: int = 2
-
-
-@dataclass
-class ClusterConf:
-    """A world that runs here: P ranks as processes on this machine (or a torchrun world)."""
-    name: str = MISSING
-    world_size: int = MISSING           # P
-    backend: str = "gloo"               # gloo (CPU) | nccl (GPU, under torchrun)
-    threads_per_rank: int = 0           # 0: cores // world_size
-    # CPU ranks keep freed memory for reuse and use huge pages, as a GPU's caching allocator
-    # does (occult.dist.HOST_MEMORY_CACHE); false: the C library's defaults
-    host_memory_cache: bool = True
-    # ranks per node (0: every rank in one node): node n holds ranks [n G, (n + 1) G); systems
-    # that stage their exchange by node (system=hierarchical) read it, the analysis splits
-    # bytes into intra- and inter-node by it
-    devices_per_node: int = 0
-    # at world size 1, run the backend's collectives (the rank sends to itself) instead of local
-    # copies: make gpu-check's one-GPU NCCL world (NCCL refuses two ranks on one GPU)
-    single_rank_collectives: bool = False
-    run_timeout_s: float = 3600.0       # whole run
-    collective_timeout_s: float = 300.0
 
 
 @dataclass

@@ -317,34 +317,32 @@ def static_syncs(res, args, out) -> None:
     """Step 7: one recorded static decode step of Occult on a one-rank NCCL world under
     ``torch.cuda.set_sync_debug_mode("error")`` (the step must read nothing on the host)."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     from .config import CONF_DIR, register
     from .dist import launch
+    from .runner import build_spec
     from .tasks.model import prepare
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=STATIC_DECODE)
-    cfg_dict = prepare({**OmegaConf.to_container(cfg, resolve=True), "out_dir_resolved": str(out)})
+    spec = prepare(build_spec(cfg, out, "gpu-check"))
     res["overrides"] = " ".join(STATIC_DECODE)
-    (found,) = launch(_static_step_rank, 1, (cfg_dict,), backend="nccl", single_rank_collectives=True,
+    (found,) = launch(_static_step_rank, 1, (spec,), backend="nccl", single_rank_collectives=True,
                       timeout_s=_time_left(args), collective_timeout_s=COLLECTIVE_TIMEOUT_S)
     res.update(found)
 
 
-def _static_step_rank(ctx, cfg_dict: dict) -> dict:
+def _static_step_rank(ctx, spec) -> dict:
     """On the rank: the model (its parity gate first), the prompt (dynamic), one static step
     eager to warm up, then one recorded static step with host syncs made errors."""
     import torch
-    from omegaconf import OmegaConf
 
     from .ep import Recorder
     from .ep.accounting import recording
     from .ep.static import dynamic_calls
-    from .tasks.model import DecodeWorkload, call_tokens, setup
-    cfg = OmegaConf.create(cfg_dict)
-    model, tok, rows = setup(ctx, cfg, call_tokens(cfg))
-    work = DecodeWorkload(ctx, cfg, tok, model)
+    from .tasks.model import DecodeWorkload, setup
+    model, tok, rows = setup(ctx, spec, spec.task.call_tokens())
+    work = DecodeWorkload(ctx, spec, tok, model)
     # times by device marks read after the step: a synchronised clock would itself be a host sync
     rec = Recorder(rank=ctx.rank, marks=True)
 

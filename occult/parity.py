@@ -273,10 +273,12 @@ def check_model(ctx, cfg_dict: dict, batch_per_rank: int, seq_len: int, vocab_si
     if backward:
         ref_loss.backward()
     rec = Recorder(rank=rank)
-    task = cfg_dict.get("task", {})          # the schedules under test: micro-batches, gradient sync
-    sync = GradSync(ctx, model, task.get("grad_sync", "end"),
-                    **{k: task[k] for k in ("bucket_bytes", "partition_bytes") if k in task}) if backward else None
-    ids_m = micro_batches(ids, task.get("microbatches", 1))
+    # the schedules under test (none given: the batch at once, GradSync's own default sync)
+    task = cfg_dict.get("task", {})
+    sync = GradSync(ctx, model, **{("mode" if k == "grad_sync" else k): task[k]
+                                   for k in ("grad_sync", "bucket_bytes", "partition_bytes") if k in task}) \
+        if backward else None
+    ids_m = micro_batches(ids, task["microbatches"]) if "microbatches" in task else [ids]
     with recording(rec), torch.set_grad_enabled(backward):
         outs = forward_micro_batches(runs, ctx.device, [{"input_ids": x} for x in ids_m])
     losses = [lm_loss(out.logits, x) * (x.shape[0] / ids.shape[0]) for out, x in zip(outs, ids_m)]

@@ -26,6 +26,7 @@ from .ep.measure import clock_name
 from .errors import ConfigError
 from .records import (config_diff, config_hash, has_results, hashed_config, make_frame, read_run_config, row,
                       write_results, write_run_config)
+from .spec import RunSpec
 from .tasks.options import task_config
 from .validate import validate
 
@@ -41,41 +42,52 @@ NOTED: set = set()
 SWEEP_POINTS_ENV = "OCCULT_SWEEP_POINTS"
 
 
-def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
-    """The context columns of every row of this run. A task that does not have a column's
-    field writes -1 (``routing``: ``router`` for a whole model, whose own routers route;
-    else ""); a task that runs no top-level system writes ``system`` "" (its rows name
-    their own systems)."""
-    m, c = cfg.model, cfg.cluster
-    t = task_config(cfg.task)
+def build_spec(cfg: DictConfig, out_dir, digest: str) -> RunSpec:
+    """The run's :class:`occult.spec.RunSpec` from the composed, validated config: typed
+    model, cluster, pre-training, task and system configs (no system where the task runs
+    none), the run folder and digest, and the model of ``task.routers`` where the task has
+    one. Made once; a task's ``prepare`` adds what it resolves."""
+    from .config import read_conf
+
+    task = task_config(cfg.task)
+    routers = task.routers_model_name()
+    return RunSpec(model=OmegaConf.to_object(cfg.model), cluster=OmegaConf.to_object(cfg.cluster), task=task,
+                   pretrain=OmegaConf.to_object(cfg.pretrain),
+                   system=system_config(cfg.system) if task.uses_system else None,
+                   out_dir=str(out_dir), run_digest=digest, seed=cfg.seed, experiment_name=cfg.experiment_name,
+                   label=cfg.label,
+                   routers_model=OmegaConf.to_object(read_conf("model", routers)) if routers else None)
+
+
+def run_context(spec: RunSpec) -> dict:
+    """The context columns of every row of this run. The task's settings among them come
+    from its config (:meth:`occult.tasks.options.TaskConf.columns`: a task without a
+    column's field writes the value declared there); a task that runs no top-level system
+    writes ``system`` "" (its rows name their own systems)."""
+    m, c, t = spec.model, spec.cluster, spec.task
     world = job_world()
-    if t.uses_system:
-        config = system_config(cfg.system)
-        system = {"system": config.name, "impl": config.impl_for(c.world_size),
-                  "system_options": config.options_json()}
+    if spec.system is not None:
+        system = {"system": spec.system.name, "impl": spec.system.impl_for(c.world_size),
+                  "system_options": spec.system.options_json()}
     else:
         system = {"system": "", "impl": "", "system_options": "{}"}
-    return {"run_id": f"{cfg.experiment_name}/{system['system'] or '-'}/{m.name}/{t.name}/{c.name}/{digest}",
-            "experiment": cfg.experiment_name, "label": cfg.label, **system, "model": m.name,
-            "init": cfg_dict.get("checkpoint") or "random", "task": t.name, "cluster": c.name,
-            "world_size": c.world_size, "devices_per_node": c.devices_per_node, "num_experts": m.num_experts, "top_k": m.top_k,
-            "hidden_size": m.hidden_size, "expert_ffn_size": m.expert_ffn_size, "dtype": m.dtype,
-            "tokens_per_rank": (t.total_tokens // c.world_size if getattr(t, "total_tokens", 0)
-                                else getattr(t, "tokens_per_rank", -1)),
-            "routing": getattr(t, "routing", "router" if t.whole_model else ""),
-            "trace_sha256": run_trace_sha256(t), "placement": getattr(t, "placement", ""),
-            "migration": bool(getattr(t, "migration", False)),
-            "batch_size": getattr(t, "batch_size", -1), "seq_len": getattr(t, "seq_len", -1),
-            "seed": cfg.seed, "config_hash": digest, "clock": t.clock or clock_name(c.backend),
-            "launcher": world.kind if world is not None else "local"}
+    columns = t.columns(c.world_size)
+    return {"run_id": f"{spec.experiment_name}/{system['system'] or '-'}/{m.name}/{t.name}/{c.name}/{spec.run_digest}",
+            "experiment": spec.experiment_name, "label": spec.label, **system, "model": m.name,
+            "init": spec.checkpoint or "random", "task": t.name, "cluster": c.name,
+            "world_size": c.world_size, "devices_per_node": c.devices_per_node, "num_experts": m.num_experts,
+            "top_k": m.top_k, "hidden_size": m.hidden_size, "expert_ffn_size": m.expert_ffn_size, "dtype": m.dtype,
+            **columns, "trace_sha256": run_trace_sha256(t), "seed": spec.seed, "config_hash": spec.run_digest,
+            "clock": t.clock or clock_name(c.backend), "launcher": world.kind if world is not None else "local"}
 
 
 def run_trace_sha256(t) -> str:
     """sha256 of the routing trace a task replays (``task.routing=trace``), "" for none."""
-    if getattr(t, "routing", "") != "trace" or not getattr(t, "trace", None):
+    trace = t.replayed_trace()
+    if not trace:
         return ""
     from .workloads import trace_file, trace_sha256
-    return trace_sha256(t.trace) if trace_file(t.trace).is_file() else ""
+    return trace_sha256(trace) if trace_file(trace).is_file() else ""
 
 
 def run_hashed_config(cfg: DictConfig) -> dict:
@@ -139,28 +151,22 @@ def run(cfg: DictConfig, out_dir, overrides: tuple = ()) -> Path | None:
         if note not in NOTED:            # once per process, not once per sweep point
             NOTED.add(note)
             log.warning(note)
-    task = task_config(cfg.task)
+    spec = build_spec(cfg, out_dir, digest)
+    task = spec.task
     entry = import_object(task.entry)
-    c = cfg.cluster
-    log.info("running %s model=%s task=%s on %d rank(s)%s", _systems_of(cfg, task), cfg.model.name, task.name,
+    c = spec.cluster
+    log.info("running %s model=%s task=%s on %d rank(s)%s", _systems_of(spec), spec.model.name, task.name,
              c.world_size, " (simulated in one process)" if task.one_process else "")
     t0 = time.perf_counter()
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    cfg_dict["out_dir_resolved"] = str(out_dir)
-    cfg_dict["run_digest"] = digest          # a task that tags rows with run ids of its own builds on it
-    if cfg_dict["task"].get("routers"):      # task=simulate / place routed by another model's routers
-        from .config import read_conf
-        cfg_dict["routers_model"] = OmegaConf.to_container(read_conf("model", cfg_dict["task"]["routers"]),
-                                                           resolve=True)
     if task.prepare:         # e.g. pre-training a missing proxy: once, on rank 0
-        cfg_dict = import_object(task.prepare)(cfg_dict) if leader else None
+        spec = import_object(task.prepare)(spec) if leader else None
         if world is not None:
-            cfg_dict = broadcast_from_rank0(cfg_dict)
+            spec = broadcast_from_rank0(spec)
     # one-off set-up the preparation did (e.g. pre-training a proxy): not a point's usual cost
-    SETUP_DONE.extend(cfg_dict.pop("setup_done", []))
+    SETUP_DONE.extend(spec.setup_done)
     # a task that simulates its world runs in one process (the world's layout is in its config)
     ranks, layout = (1, 0) if task.one_process else (c.world_size, c.devices_per_node)
-    per_rank = launch(entry, ranks, (cfg_dict,), seed=cfg.seed,
+    per_rank = launch(entry, ranks, (spec,), seed=spec.seed,
                       timeout_s=c.run_timeout_s, collective_timeout_s=c.collective_timeout_s,
                       threads=c.threads_per_rank, backend=c.backend, host_memory_cache=c.host_memory_cache,
                       devices_per_node=layout, single_rank_collectives=c.single_rank_collectives,
@@ -170,7 +176,7 @@ def run(cfg: DictConfig, out_dir, overrides: tuple = ()) -> Path | None:
     rows = [r for rank_rows in per_rank for r in rank_rows]
     # the point's wall time here, start-up and any pre-training of a missing proxy included
     rows.append(row("run_wall_time", time.perf_counter() - t0, "s"))
-    df = make_frame(rows, run_context(cfg, cfg_dict, digest))
+    df = make_frame(rows, run_context(spec))
     write_run_config(out_dir, hashed)
     path = write_results(df, out_dir)
     (out_dir / ERROR_FILE).unlink(missing_ok=True)
@@ -178,11 +184,11 @@ def run(cfg: DictConfig, out_dir, overrides: tuple = ()) -> Path | None:
     return path
 
 
-def _systems_of(cfg: DictConfig, task) -> str:
+def _systems_of(spec: RunSpec) -> str:
     """``system=<name>``, or the compared systems of a task that runs no top-level one."""
-    if task.uses_system:
-        return f"system={cfg.system.name}"
-    names = [s if isinstance(s, str) else s.get("name", "?") for s in getattr(task, "compare", [])]
+    if spec.system is not None:
+        return f"system={spec.system.name}"
+    names = spec.task.compared_names()
     return f"systems={','.join(names)}" if names else "no system"
 
 

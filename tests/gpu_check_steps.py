@@ -50,12 +50,12 @@ def failed_command(res, args, out):
     res["decode_graph_token_latency_ms"] = 0.5
 
 
-def static_step_on_cpu(ctx, cfg_dict):
+def static_step_on_cpu(ctx, spec):
     """The static_syncs step's rank function on a CPU rank (gloo): the device syncs and the
     sync debug mode, which need CUDA, recorded instead of set."""
     import torch
     modes = []
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.set_sync_debug_mode = modes.append
-    found = gpu_steps._static_step_rank(ctx, cfg_dict)
+    found = gpu_steps._static_step_rank(ctx, spec)
     return {**found, "modes": modes}

@@ -90,11 +90,17 @@ def gate_world(ctx, scmoe: dict, olmoe: dict) -> dict:
     and backward) and prefill (forward), and prefill with the shared carrier (the layer
     gate run on that too); the OLMoE model ``olmoe`` training with sequence migration (the
     task's own wrapper). Each entry: the gate's rows, or the AssertionError's message."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from occult.config import read_conf
     from occult.tasks.common import model_parity_gate, parity_gate
     from occult.tasks.model import model_runner
 
     def config(m: dict, task: dict):
-        return OmegaConf.create({"model": m, "seed": 1, "task": {"parity_tokens": 16, "check_parity": True, **task}})
+        """A run's model, seed and typed task (the task's config with ``task``'s fields)."""
+        typed = dataclasses.replace(read_conf("task", task.pop("name")), parity_tokens=16, check_parity=True, **task)
+        return SimpleNamespace(model=OmegaConf.create(m), seed=1, task=typed)
 
     def gate(cfg):
         try:

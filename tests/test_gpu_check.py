@@ -97,17 +97,17 @@ def test_the_static_sync_step_runs_a_recorded_static_decode_step_on_cpu():
     DecodeWorkload) on a CPU rank: its parity gate passes, the checked step exchanges
     (dispatch and combine per MoE layer) between the two sync-debug mode switches."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     from gpu_check_steps import static_step_on_cpu
     from occult.config import CONF_DIR, register
+    from occult.runner import build_spec
     from occult.tasks.model import prepare
     register()
     overrides = [o.replace("gpu1", "cpu1").replace("bfloat16", "float32") for o in gpu_steps.STATIC_DECODE]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-    cfg_dict = prepare({**OmegaConf.to_container(cfg, resolve=True), "out_dir_resolved": "."})
-    (found,) = launch(static_step_on_cpu, 1, (cfg_dict,), single_rank_collectives=True, timeout_s=200)
+    spec = prepare(build_spec(cfg, ".", "d"))
+    (found,) = launch(static_step_on_cpu, 1, (spec,), single_rank_collectives=True, timeout_s=200)
     assert found["parity_checked"] and found["static_step_without_host_sync"]
     assert found["collectives_in_step"] == 2 * cfg.model.num_layers and found["modes"] == ["error", "default"]
 

@@ -10,7 +10,8 @@ may import its own level and any level below:
   2  occult.runner, occult.cli,          compose -> validate -> launch -> write; the
      occult.validate, occult.config,     capability table and the combination matrix
      occult.capability_table, occult.matrix
-  3  occult.tasks, occult.dist           what runs on the ranks, and starting them
+  3  occult.tasks, occult.dist,          what runs on the ranks, and starting them;
+     occult.spec                         the run spec handed to them
   4  occult.models, occult.parity,       whole models, the parity check, data, memory
      occult.data, occult.memory
   5  baselines, occult.collab            the systems (Occult's method is one of them)
@@ -18,7 +19,8 @@ may import its own level and any level below:
      occult.kernels, occult.records,
      occult.routing_traces
   7  occult.ep                           the neutral core: knows no system by name
-  8  occult.errors, occult.synthetic     below everything
+  8  occult.errors, occult.synthetic,    below everything
+     occult.schemas                      (the model, cluster and pre-training schemas)
 
 And rules that the order alone does not say: ``analysis`` never starts ranks (it does
 not import the launcher, the runner, the tasks or the parity runs), and the method
@@ -39,13 +41,13 @@ LEVELS = {
     "analysis": 1,
     "occult.runner": 2, "occult.cli": 2, "occult.validate": 2, "occult.config": 2,
     "occult.capability_table": 2, "occult.matrix": 2,
-    "occult.tasks": 3, "occult.dist": 3,
+    "occult.tasks": 3, "occult.dist": 3, "occult.spec": 3,
     "occult.models": 4, "occult.parity": 4, "occult.data": 4, "occult.memory": 4,
     "baselines": 5, "occult.collab": 5,
     "occult.pruning": 6, "occult.placement": 6, "occult.kernels": 6, "occult.records": 6,
     "occult.routing_traces": 6, "occult.workloads": 6,
     "occult.ep": 7,
-    "occult.errors": 8, "occult.synthetic": 8,
+    "occult.errors": 8, "occult.synthetic": 8, "occult.schemas": 8,
 }
 FORBIDDEN = {   # importer prefix -> imported prefixes it must not use, whatever the levels say
     "analysis": ("occult.dist", "occult.runner", "occult.cli", "occult.tasks", "occult.parity"),

@@ -198,12 +198,11 @@ def test_the_layer_tasks_eplb_placement_is_built_from_a_profiling_draw_and_writt
     import json
     from types import SimpleNamespace
 
-    from omegaconf import OmegaConf
-
+    from occult.runner import build_spec
     from occult.tasks.layer import rank_workload, task_placement
     cfg = cfg_with("task=layer", "model=olmoe_layer", "cluster=cpu4", "task.routing=imbalance",
                    "task.placement=eplb", "task.num_redundant=8")
-    cfg = OmegaConf.create({**OmegaConf.to_container(cfg, resolve=True), "out_dir_resolved": str(tmp_path)})
+    cfg = build_spec(cfg, tmp_path, "d")
     ctx = SimpleNamespace(rank=0, world_size=4, ep=EPGroup(0, 4, None, "cpu", 0), device="cpu")
     pl = task_placement(ctx, cfg)
     doc = json.loads((tmp_path / "placement_eplb.json").read_text())

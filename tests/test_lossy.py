@@ -102,8 +102,7 @@ def test_luffy_refuses_training_at_threshold_1_in_one_line():
     training task is refused at validation, in one line naming the field; threshold < 1
     trains (lossy by design) and threshold 1 runs the tasks without a backward to train."""
     from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-    from test_task_options import cfg_with
+    from test_task_options import cfg_with, spec_of
 
     from occult.config import CONF_DIR
     from occult.tasks.bench import prepare
@@ -112,11 +111,11 @@ def test_luffy_refuses_training_at_threshold_1_in_one_line():
         validate(cfg_with("task=train", "model=olmoe_proxy", "system=luffy", "system.threshold=1.0"))
     assert str(err.value).startswith("system.threshold=1.0: task=train would train through Luffy's condensation")
     assert "\n" not in str(err.value)
-    bench = cfg_with("task=bench_model", "model=olmoe_proxy", "task.workload=train",
-                     "task.compare=[naive,{name:luffy,threshold:1.0}]")
+    bench = spec_of("task=bench_model", "model=olmoe_proxy", "task.workload=train",
+                    "task.compare=[naive,{name:luffy,threshold:1.0}]")
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), \
             pytest.raises(ConfigError, match=r"^task.compare\[1\]: system.threshold=1.0: task=train"):
-        prepare(OmegaConf.to_container(bench, resolve=True))
+        prepare(bench)
     config = system_config(system(LUFFY, threshold=1.0))
     with pytest.raises(ValueError, match=r"^system.threshold=1.0: task=finetune"):
         config.check_task("finetune")

@@ -222,10 +222,15 @@ def test_run_gate_checks_the_whole_model_under_the_runs_schedule(model_world):
 
 def test_schedule_changes_name_what_the_whole_model_gate_checks():
     """The whole-model gate runs where the run computes beyond one layer, and nowhere else."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from occult.config import read_conf
     from occult.tasks.common import schedule_changes
 
     def changes(model: str, **task):
-        return schedule_changes(OmegaConf.create({"model": tiny(model), "task": task}))
+        typed = dataclasses.replace(read_conf("task", "train"), **task)
+        return schedule_changes(SimpleNamespace(model=OmegaConf.create(tiny(model)), task=typed))
 
     assert changes("olmoe_proxy") == changes("olmoe_proxy", microbatches=1, grad_sync="end") == []
     assert changes("olmoe_proxy", microbatches=2) == ["task.microbatches=2"]

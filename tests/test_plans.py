@@ -156,13 +156,12 @@ def simulate_cfg(*overrides):
 
 def simulated_rows(*overrides) -> pd.DataFrame:
     """task=simulate's rank function in this process (what the runner's one process runs)."""
-    from omegaconf import OmegaConf
-
     from occult.dist import RankContext
     from occult.ep.comm import EPGroup
+    from occult.runner import build_spec
     from occult.tasks.simulate import run_rank
-    cfg = OmegaConf.to_container(simulate_cfg(*overrides), resolve=True)
-    return pd.DataFrame(run_rank(RankContext(0, 1, EPGroup(), 0), cfg))
+    spec = build_spec(simulate_cfg(*overrides), ".", "d")
+    return pd.DataFrame(run_rank(RankContext(0, 1, EPGroup(), 0), spec))
 
 
 @pytest.mark.timeout(120)

@@ -95,10 +95,10 @@ def test_sampled_layers_are_evenly_spaced():
     from omegaconf import OmegaConf
 
     from occult.tasks.simulate import task_layers
-    cfg = lambda n: OmegaConf.create({"model": {"first_k_dense": 3, "num_layers": 61}, "task": {"sample_layers": n}})
-    assert task_layers(cfg(0)) == list(range(3, 61))
-    assert task_layers(cfg(1)) == [32] and task_layers(cfg(2)) == [3, 60] and task_layers(cfg(3)) == [3, 32, 60]
-    assert task_layers(cfg(100)) == list(range(3, 61))
+    model = OmegaConf.create({"first_k_dense": 3, "num_layers": 61})
+    assert task_layers(model, 0) == list(range(3, 61))
+    assert task_layers(model, 1) == [32] and task_layers(model, 2) == [3, 60] and task_layers(model, 3) == [3, 32, 60]
+    assert task_layers(model, 100) == list(range(3, 61))
 
 
 @pytest.mark.parametrize("overrides, line", [

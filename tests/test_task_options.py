@@ -115,15 +115,23 @@ def test_a_task_without_the_top_level_system_refuses_one_and_does_not_hash_it():
     assert any(k.startswith("system.") for k in run_hashed_config(cfg_with("task=layer")))
 
 
+def spec_of(*overrides, out_dir="."):
+    """The run spec :func:`occult.runner.run` hands the ranks, of the config of ``overrides``."""
+    from occult.runner import build_spec
+    return build_spec(cfg_with(*overrides), out_dir, "d")
+
+
 def test_a_tasks_columns_say_when_it_has_no_such_field():
     from occult.runner import run_context
-    layer = run_context(cfg_with("task=layer"), {}, "d")
+    layer = run_context(spec_of("task=layer"))
     assert (layer["batch_size"], layer["seq_len"], layer["tokens_per_rank"], layer["routing"]) == (-1, -1, 512,
                                                                                                     "uniform")
-    prefill = run_context(cfg_with("task=prefill", "model=olmoe_proxy"), {}, "d")
+    prefill = run_context(spec_of("task=prefill", "model=olmoe_proxy"))
     assert (prefill["batch_size"], prefill["tokens_per_rank"], prefill["routing"]) == (4, -1, "router")
-    bench = run_context(cfg_with("task=bench"), {}, "d")
+    bench = run_context(spec_of("task=bench"))
     assert (bench["system"], bench["system_options"]) == ("", "{}")
+    world = run_context(spec_of("task=simulate", "task.total_tokens=64", "cluster=cpu4"))
+    assert (world["tokens_per_rank"], world["placement"], world["migration"]) == (16, "", False)
 
 
 def test_the_workload_names_are_the_workloads():

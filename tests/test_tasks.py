@@ -62,17 +62,15 @@ def logged_traffic(df: pd.DataFrame) -> dict:
 def simulated_traffic(run_dir: Path, backward: bool) -> dict:
     """task=simulate of the run's world (the olmoe proxy of ``TINY`` on 2 ranks, system=occult)
     on the run's own routing trace, in this process: its traffic rows."""
-    from omegaconf import OmegaConf
-
     from occult.dist import RankContext
     from occult.ep.comm import EPGroup
     from occult.tasks.simulate import run_rank
-    from test_task_options import cfg_with
+    from test_task_options import spec_of
 
-    cfg = cfg_with("model=olmoe_proxy", "system=occult", "cluster=cpu2", "task=simulate", "task.routing=trace",
+    spec = spec_of("model=olmoe_proxy", "system=occult", "cluster=cpu2", "task=simulate", "task.routing=trace",
                    f"task.trace='{run_dir}'", f"task.backward={backward}", "task.tokens_per_rank=32",
                    *[o for o in TINY if o.startswith("model.")])
-    rows = run_rank(RankContext(0, 1, EPGroup(), 0), OmegaConf.to_container(cfg, resolve=True))
+    rows = run_rank(RankContext(0, 1, EPGroup(), 0), spec)
     return logged_traffic(pd.DataFrame(rows))
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..ep import GateRule, Placement
+from ..schemas import ModelConf, typed
 from .ep_block import EPMoEBlock
 from .families import Family, family_of
 from .shortcut import ShortcutMLP, connect_shortcuts
@@ -27,24 +28,22 @@ class CheckpointError(RuntimeError):
     """A checkpoint folder that is missing, incomplete or does not fit the model."""
 
 
-def _get(m, key, default=None):
-    return m.get(key, default) if hasattr(m, "get") else getattr(m, key, default)
-
-
 def hf_config(m, vocab_size: Optional[int] = None):
-    """The transformers config of a ``model`` config (a DictConfig or dict)."""
-    fam = family_of(_get(m, "family"))
-    E, K, D, F = m["num_experts"], m["top_k"], m["hidden_size"], m["expert_ffn_size"]
-    heads = _get(m, "num_heads", 4)
-    common = dict(vocab_size=vocab_size or _get(m, "vocab_size"), hidden_size=D,
-                  num_hidden_layers=_get(m, "num_layers", 1), num_attention_heads=heads,
-                  num_key_value_heads=heads, max_position_embeddings=_get(m, "max_position", 2048),
-                  num_experts_per_tok=K, norm_topk_prob=_get(m, "norm_topk_prob", False),
+    """The transformers config of a ``model`` config (typed, a DictConfig or a dict: the
+    fields it lacks at their defaults, :class:`occult.schemas.ModelConf`)."""
+    m = typed(ModelConf, m)
+    fam = family_of(m.family)
+    E, K, D, F = m.num_experts, m.top_k, m.hidden_size, m.expert_ffn_size
+    heads = m.num_heads
+    common = dict(vocab_size=vocab_size or m.vocab_size, hidden_size=D,
+                  num_hidden_layers=m.num_layers, num_attention_heads=heads,
+                  num_key_value_heads=heads, max_position_embeddings=m.max_position,
+                  num_experts_per_tok=K, norm_topk_prob=m.norm_topk_prob,
                   tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    first_dense = _get(m, "first_k_dense", 0)
-    shared, shared_F = _get(m, "num_shared_experts", 0), _get(m, "shared_expert_ffn_size", 0)
-    dense_F = _get(m, "dense_ffn_size", 0)
-    rsf, n_group, topk_group = _get(m, "routed_scaling_factor", 1.0), _get(m, "n_group", 1), _get(m, "topk_group", 1)
+    first_dense = m.first_k_dense
+    shared, shared_F = m.num_shared_experts, m.shared_expert_ffn_size
+    dense_F = m.dense_ffn_size
+    rsf, n_group, topk_group = m.routed_scaling_factor, m.n_group, m.topk_group
     if fam.name in ("olmoe", "mixtral", "gpt_oss"):
         if shared or first_dense:
             raise ValueError(f"model: {fam.name} has no shared experts and no dense layers "
@@ -66,18 +65,18 @@ def hf_config(m, vocab_size: Optional[int] = None):
         kw = dict(num_experts=E, moe_intermediate_size=F, intermediate_size=dense_F or 4 * D, decoder_sparse_step=1,
                   mlp_only_layers=list(range(first_dense)))
     elif fam.name == "deepseek_v4":
-        layers = _get(m, "num_layers", 1)
+        layers = m.num_layers
         kw = dict(n_routed_experts=E, moe_intermediate_size=F, n_shared_experts=shared,
-                  routed_scaling_factor=rsf, scoring_func=_get(m, "scoring_func", "sqrtsoftplus"),
+                  routed_scaling_factor=rsf, scoring_func=m.scoring_func,
                   mlp_layer_types=["hash_moe" if i < min(3, layers - 1) else "moe" for i in range(layers)])
     else:   # deepseek_v2 (DeepSeek-MoE) and deepseek_v3 (DeepSeek-V3, Kimi K2)
         kw = dict(n_routed_experts=E, moe_intermediate_size=F, n_shared_experts=shared,
                   intermediate_size=dense_F or 4 * D, first_k_dense_replace=first_dense,
                   routed_scaling_factor=rsf, n_group=n_group, topk_group=topk_group,
-                  head_dim=_get(m, "hf_overrides", {}).get("qk_rope_head_dim", 64))
+                  head_dim=m.hf_overrides.get("qk_rope_head_dim", 64))
         if fam.name == "deepseek_v2":
             kw.update(topk_method="greedy", n_group=None, topk_group=None)
-    kw = {**common, **kw, **dict(_get(m, "hf_overrides", {}) or {})}
+    kw = {**common, **kw, **dict(m.hf_overrides)}
     return fam.config_class()(**kw)
 
 

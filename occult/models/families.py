@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as nnf
 
 from ..ep.router import GateRule
+from ..schemas import ModelConf, typed
 
 
 @dataclass(frozen=True)
@@ -121,26 +122,26 @@ FAMILIES = {
 
 
 def gate_rule(m):
-    """The gate rule of a ``model`` config (a DictConfig, a dict or a ModelConf):
-    :class:`occult.ep.router.GateRule` from its router fields (defaults: softmax top-k)."""
-    get = m.get if hasattr(m, "get") else lambda k, d=None: getattr(m, k, d)
-    return GateRule(scoring=get("scoring_func", "softmax"), normalize=bool(get("norm_topk_prob", False)),
-                    scaling=float(get("routed_scaling_factor", 1.0)), n_group=int(get("n_group", 1)),
-                    topk_group=int(get("topk_group", 1)))
+    """The gate rule of a ``model`` config (a ModelConf, a DictConfig or a dict: the fields
+    it lacks at their defaults, :class:`occult.schemas.ModelConf`):
+    :class:`occult.ep.router.GateRule` from its router fields."""
+    m = typed(ModelConf, m)
+    return GateRule(scoring=m.scoring_func, normalize=bool(m.norm_topk_prob), scaling=float(m.routed_scaling_factor),
+                    n_group=int(m.n_group), topk_group=int(m.topk_group))
 
 
 def check_gate_rule(m) -> None:
     """Raises ``ValueError`` (one line naming the field) when the model's router fields
     are not a rule its family's router computes, or cannot route K of its E experts."""
-    family = m.get("family") if hasattr(m, "get") else getattr(m, "family", "")
+    m = typed(ModelConf, m)
     rule = gate_rule(m)
-    if family:
-        for field, value in family_of(family).fixed_rule:
-            have = m.get(field) if hasattr(m, "get") else getattr(m, field)
+    if m.family:
+        for field, value in family_of(m.family).fixed_rule:
+            have = getattr(m, field)
             if have != value:
-                raise ValueError(f"model.{field}={have!r}: the {family} router computes only {value!r}; "
+                raise ValueError(f"model.{field}={have!r}: the {m.family} router computes only {value!r}; "
                                  f"allowed values are [{value!r}]")
-    rule.check(m["num_experts"], m["top_k"])
+    rule.check(m.num_experts, m.top_k)
 
 
 def family_of(model_type: str) -> Family:

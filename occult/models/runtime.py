@@ -17,6 +17,7 @@ from torch import nn
 
 from ..ep import system_config
 from ..ep.strands import co_execute
+from ..schemas import ModelConf, typed
 from .build import hf_config, init_model, load_checkpoint, to_expert_parallel
 from .families import family_of, gate_rule
 from .grad_sync import expert_parameters, sync_gradients  # noqa: F401 - the task modules' names for them
@@ -25,12 +26,13 @@ from .grad_sync import expert_parameters, sync_gradients  # noqa: F401 - the tas
 def base_model(cfg, vocab_size: int, checkpoint: Optional[str] = None, device="cpu") -> nn.Module:
     """The full single-device model: from ``checkpoint`` (a local folder), or seeded random
     (built on the host), then on ``device`` in ``model.dtype``."""
-    fam = family_of(cfg.model.family)
+    m = typed(ModelConf, cfg.model)
+    fam = family_of(m.family)
     if checkpoint:
         model = load_checkpoint(fam, checkpoint)
     else:
-        model = init_model(fam, hf_config(cfg.model, vocab_size), cfg.seed)
-    return model.to(device=device, dtype=getattr(torch, cfg.model.get("dtype", "float32")))
+        model = init_model(fam, hf_config(m, vocab_size), cfg.seed)
+    return model.to(device=device, dtype=getattr(torch, m.dtype))
 
 
 def make_rank_model(ctx, model: nn.Module, cfg, placements: Optional[dict] = None, system=None,

@@ -36,9 +36,10 @@ from ..ep.static import times_by_marks
 from ..errors import ConfigError
 from ..memory import saved_activation_bytes
 from ..records import config_hash, row
+from ..spec import RunSpec
 from .common import comm_rows, model_parity_gate, parity_gate, routing_rows
 from .layer import build_layer, make_inputs, time_iteration
-from .options import task_config
+from .options import workload_task
 
 
 def compared_system(entry, index: int) -> dict:
@@ -67,37 +68,34 @@ def compared_system(entry, index: int) -> dict:
     return system
 
 
-def prepare(cfg_dict: dict) -> dict:
+def prepare(spec: RunSpec) -> RunSpec:
     """In the launching process: the typed config of every system in ``task.compare``
     (composed from its conf/system file, with the entry's options on top), checked for this
     run's shape and task; for a whole model also its checkpoint (pre-training a missing
     proxy)."""
-    entries = list(cfg_dict["task"]["compare"])
-    if not entries:
+    task, m, P = spec.task, spec.model, spec.cluster.world_size
+    if not task.compare:
         raise ConfigError("task.compare is empty: name the systems to compare (conf/system names or "
                           "{name: ..., option: ...} configs), e.g. task.compare=[naive,occult]")
-    m, P = cfg_dict["model"], cfg_dict["cluster"]["world_size"]
-    task = task_config(cfg_dict["task"])
     systems = []
-    for i, entry in enumerate(entries):
-        system = compared_system(entry, i)
-        config = system_config(system)
+    for i, entry in enumerate(task.compare):
+        config = system_config(compared_system(entry, i))
         if not config.expert_parallel and not task.whole_model:
             raise ConfigError(f"task.compare[{i}]: system {config.name!r} has no expert-parallel dispatcher "
                               "(task=bench times one MoE layer; task=bench_model times whole models)")
         try:
-            config.check(num_experts=m["num_experts"], top_k=m["top_k"], world_size=P)
+            config.check(num_experts=m.num_experts, top_k=m.top_k, world_size=P)
             config.check_task(task.name)
             if task.whole_model:
                 config.check_task(task.workload)       # the task whose iterations it runs
         except ValueError as exc:
             raise ConfigError(f"task.compare[{i}]: {exc}") from exc
-        systems.append(system)
-    cfg_dict["compare_systems"] = systems
+        systems.append(config)
+    spec = spec.replace(compared=tuple(systems))
     if task.whole_model:
         from .model import prepare as model_prepare
-        cfg_dict = model_prepare(cfg_dict)
-    return cfg_dict
+        spec = model_prepare(spec)
+    return spec
 
 
 def _tagged(rows: list, config, base_id: str, world_size: int) -> list:
@@ -110,19 +108,17 @@ def _tagged(rows: list, config, base_id: str, world_size: int) -> list:
     return [{**r, **tag} for r in rows]
 
 
-def run_rank(ctx, cfg_dict: dict) -> list:
+def run_rank(ctx, spec: RunSpec) -> list:
     """On every rank: parity per system, then alternating timed iterations."""
-    systems = [system_config(s) for s in cfg_dict["compare_systems"]]
-    t = OmegaConf.create(cfg_dict["task"])
+    systems, t = spec.compared, spec.task
     layers, recs, rows = [], [], []
-    first = OmegaConf.create(cfg_dict)
     for config in systems:
-        layer = build_layer(ctx, first, config)
-        rows.append(parity_gate(ctx, first, config, t.routing, layer.dispatcher.placement)
+        layer = build_layer(ctx, spec, config)
+        rows.append(parity_gate(ctx, spec, config, t.routing, layer.dispatcher.placement)
                     if t.check_parity else [])
         layers.append(layer)
         recs.append(Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives, marks=times_by_marks(config)))
-    x_TD, ids_TK, grad_TD = make_inputs(ctx, first)
+    x_TD, ids_TK, grad_TD = make_inputs(ctx, spec)
     for i, layer in enumerate(layers):
         act = saved_activation_bytes(layer, x_TD.clone().requires_grad_(True), None, ids_TK)
         rows[i].append(row("activation_bytes", act, "bytes", layer=0, rank=ctx.rank))
@@ -136,8 +132,8 @@ def run_rank(ctx, cfg_dict: dict) -> list:
                 rows[i] += sample_rows
         if ctx.rank == 0:
             kind = "warm-up" if sample < 0 else f"sample {sample + 1}/{t.iters}"
-            print(f"  [{first.model.name}] {kind}: {', '.join(took[i] for i in sorted(took))}", flush=True)
-    base_id = f"{first.experiment_name}/bench/{first.model.name}/{first.cluster.name}/{cfg_dict.get('run_digest', '')}"
+            print(f"  [{spec.model.name}] {kind}: {', '.join(took[i] for i in sorted(took))}", flush=True)
+    base_id = f"{spec.experiment_name}/bench/{spec.model.name}/{spec.cluster.name}/{spec.run_digest}"
     out = []
     replayed = replay_rows(ctx, layers, recs, (x_TD, ids_TK, grad_TD), t.iters) if ctx.world_size > 1 else None
     for i, config in enumerate(systems):
@@ -199,24 +195,24 @@ def _replayed(ctx, rec: Recorder, sample: int) -> list:
     return rows
 
 
-def model_rank(ctx, cfg_dict: dict) -> list:
+def model_rank(ctx, spec: RunSpec) -> list:
     """task=bench_model on every rank: parity per system, one rank model per system from
     the same weights, then the systems' ``task.workload`` iterations alternating."""
     from ..data.tokenizer import get_tokenizer
     from ..models.runtime import base_model, make_rank_model
-    from .model import WORKLOADS, _finish, call_tokens
+    from .model import WORKLOADS, _finish
 
-    cfg = OmegaConf.create(cfg_dict)
-    t, m = cfg.task, cfg.model
-    systems = [system_config(s) for s in cfg_dict["compare_systems"]]
-    tok = get_tokenizer(cfg.pretrain.tokenizer_vocab, corpus=cfg.pretrain.corpus)
-    base = base_model(cfg, m.vocab_size or tok.vocab_size, cfg.get("checkpoint"), device=ctx.device)
+    t, m = spec.task, spec.model
+    work_spec = spec.replace(task=workload_task(t, t.workload))        # what each system's workload runs
+    tok = get_tokenizer(spec.pretrain.tokenizer_vocab, corpus=spec.pretrain.corpus)
+    base = base_model(spec, m.vocab_size or tok.vocab_size, spec.checkpoint, device=ctx.device)
     works, recs, rows = [], [], []
-    for config in systems:
-        rows.append(parity_gate(ctx, cfg, config, "router") + model_parity_gate(ctx, cfg, config)
+    for config in spec.compared:
+        rows.append(parity_gate(ctx, spec, config, "router") + model_parity_gate(ctx, work_spec, config)
                     if t.check_parity and config.expert_parallel else [])
-        model = make_rank_model(ctx, copy.deepcopy(base), cfg, system=config, tokens_per_rank=call_tokens(cfg))
-        works.append(WORKLOADS[t.workload](ctx, cfg, tok, model))
+        model = make_rank_model(ctx, copy.deepcopy(base), spec, system=config,
+                                tokens_per_rank=work_spec.task.call_tokens())
+        works.append(WORKLOADS[t.workload](ctx, work_spec, tok, model))
         recs.append(Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives, marks=times_by_marks(config)))
     for sample in iterations(ctx.ep, t.warmup, t.iters):
         for i in turns(len(works), sample):
@@ -224,11 +220,9 @@ def model_rank(ctx, cfg_dict: dict) -> list:
             barrier(ctx.ep)
             rows[i] += works[i].step(recs[i], sample)
     replayed = model_replay_rows(ctx, works, t.iters) if ctx.world_size > 1 else [[] for _ in works]
-    base_id = (f"{cfg.experiment_name}/bench_model/{m.name}/{t.workload}/{cfg.cluster.name}/"
-               f"{cfg_dict.get('run_digest', '')}")
+    base_id = f"{spec.experiment_name}/bench_model/{m.name}/{t.workload}/{spec.cluster.name}/{spec.run_digest}"
     out = []
-    quiet = OmegaConf.merge(cfg, {"task": {"save_routing": False}})
-    for i, config in enumerate(systems):
-        rows_i = _finish(ctx, quiet, recs[i], rows[i], works[i].model) + replayed[i]
+    for i, config in enumerate(spec.compared):
+        rows_i = _finish(ctx, work_spec, recs[i], rows[i], works[i].model) + replayed[i]
         out += _tagged(rows_i, config, base_id, ctx.world_size)
     return out

@@ -108,9 +108,9 @@ def calibration_rows(ctx, sizes=RANK_BYTES, reps: int = 8) -> list:
     return rows
 
 
-def run_rank(ctx, cfg_dict: dict) -> list:
+def run_rank(ctx, spec) -> list:
     """Task entry (``task=calibrate``): the calibration as a sweep point (``task.iters``
-    timed calls per size, at least 3)."""
+    timed calls per size, at least 3: :class:`occult.tasks.options.CalibrateTask` checks it)."""
     if ctx.world_size < 2:
         raise ValueError("task=calibrate needs cluster.world_size >= 2 (it times all-to-alls between ranks)")
-    return calibration_rows(ctx, RANK_BYTES, max(int(cfg_dict["task"]["iters"]), 3))
+    return calibration_rows(ctx, RANK_BYTES, spec.task.iters)

@@ -13,6 +13,7 @@ from ..ep.measure import gather_objects, sum_over_ranks
 from ..models.families import family_of, gate_rule
 from ..parity import TOLERANCE, LayerCase, check_layer, check_model, disagreements
 from ..records import row
+from ..schemas import ModelConf, typed
 
 
 def parity_gate(ctx, cfg, system, routing: str, placement: Optional[Placement] = None) -> list:
@@ -31,12 +32,12 @@ def parity_gate(ctx, cfg, system, routing: str, placement: Optional[Placement] =
     config, rows = _checked_config(system, ctx.rank)
     if config is None:
         return rows + [row("parity_checked", 0.0, "bool", rank=ctx.rank)]
-    m = cfg.model
+    m = typed(ModelConf, cfg.model)
     case = LayerCase(m.num_experts, m.top_k, tuple([cfg.task.parity_tokens] * ctx.world_size),
                      routing="router" if routing == "router" else "uniform", seed=cfg.seed,
                      rule=gate_rule(m), bias=bool(m.family) and family_of(m.family).correction_bias)
     if placement is None:
-        placement = config.layer_placement(m.get("first_k_dense", 0), m.num_experts, ctx.world_size)
+        placement = config.layer_placement(m.first_k_dense, m.num_experts, ctx.world_size)
     res = check_layer(ctx, config, case, placement)
     bad = disagreements(res, config)
     if bad:
@@ -65,19 +66,15 @@ def _checked_config(system, rank: int) -> tuple:
 
 def schedule_changes(cfg) -> list:
     """What of the run makes the model compute other than layer by layer, each layer as
-    alone (what the whole-model gate checks; [] for none): co-executed micro-batches
-    (``task.microbatches``), a shortcut-connected model (each MoE block reads the one
-    before it), sequence migration, a gradient sync that starts during the backward."""
-    t, m = cfg.task, cfg.model
-    out = []
-    if int(t.get("microbatches", 1)) > 1:
-        out.append(f"task.microbatches={t.microbatches}")
-    if m.get("family") and family_of(m.family).shortcut:
-        out.append(f"model.family={m.family} (shortcut-connected)")
-    if t.get("migration", False):
-        out.append("task.migration=true")
-    if t.get("grad_sync", "end") != "end":
-        out.append(f"task.grad_sync={t.grad_sync}")
+    alone (what the whole-model gate checks; [] for none): the task's schedule away from
+    its defaults (:meth:`occult.tasks.options.TaskConf.schedule_changes`: co-executed
+    micro-batches, sequence migration, a gradient sync that starts during the backward),
+    and a shortcut-connected model (each MoE block reads the one before it)."""
+    m = typed(ModelConf, cfg.model)
+    out = list(cfg.task.schedule_changes())
+    if m.family and family_of(m.family).shortcut:
+        out.insert(1 if out and out[0].startswith("task.microbatches") else 0,
+                   f"model.family={m.family} (shortcut-connected)")
     return out
 
 
@@ -105,13 +102,13 @@ def model_parity_gate(ctx, cfg, system, placements: Optional[dict] = None, wrap:
     if config is None:
         return rows + [row("model_parity_checked", 0.0, "bool", rank=ctx.rank)]
     t = cfg.task
-    batch = max(int(t.get("microbatches", 1)), 2)
+    schedule = t.schedule()
+    batch = max(schedule["microbatches"], 2) if "microbatches" in schedule else 2
     seq_len = max(2, t.parity_tokens // batch)
-    schedule = {k: t[k] for k in ("microbatches", "grad_sync") if k in t}
-    cfg_dict = {"model": {**OmegaConf.to_container(cfg.model, resolve=True), "dtype": "float64"},
-                "seed": cfg.seed, "task": schedule}
+    model = OmegaConf.to_container(OmegaConf.create(cfg.model), resolve=True)     # a typed config or a dict
+    cfg_dict = {"model": {**model, "dtype": "float64"}, "seed": cfg.seed, "task": schedule}
     tol = MODEL_TOLERANCE[config.precision]
-    trains = "train" in (t.get("name"), t.get("workload"))
+    trains = t.trains()
     res = check_model(ctx, cfg_dict, batch, seq_len, placements=placements, system=config, wrap=wrap,
                       forward_tolerance=tol, backward=trains)
     bad = {k: v for k, v in res["errors"].items() if not v <= tol}

@@ -35,7 +35,6 @@ Shapes: B sequences per rank, S sequence length, V vocabulary, T tokens, K top-k
 from __future__ import annotations
 
 import torch.nn.functional as nnf
-from omegaconf import OmegaConf
 from torch import nn
 from tqdm import tqdm
 
@@ -46,18 +45,20 @@ from ..models.ep_block import EPMoEBlock, ep_placements
 from ..models.families import family_of
 from ..models.runtime import sync_gradients
 from ..records import row
+from ..spec import RunSpec
 from . import model as model_task
+from .options import workload_task
 from .training import adamw, clip_global_grad_norm, evaluate_rank_model, finetuning_schedule, rank_eval_ids
 
 GRAD_CLIP = 1.0
 FINETUNE_WEIGHT_DECAY = 0.0
 
 
-def prepare(cfg_dict: dict) -> dict:
+def prepare(spec: RunSpec) -> RunSpec:
     """In the launching process: the checkpoint (pre-training the proxy if needed) and,
     for similarity pruning without a similarity file, the router profile."""
     from .profiling import ensure_similarity_file
-    return ensure_similarity_file(model_task.prepare(cfg_dict))
+    return ensure_similarity_file(model_task.prepare(spec))
 
 
 def moe_modules(model: nn.Module, family) -> list:
@@ -115,7 +116,7 @@ def timing_probe(ctx, cfg, tok, model) -> list:
     from .model import PrefillWorkload
     from .common import comm_rows, routing_rows
 
-    work = PrefillWorkload(ctx, cfg, tok, model)
+    work = PrefillWorkload(ctx, cfg.replace(task=workload_task(cfg.task, "prefill")), tok, model)
     rec = Recorder(rank=ctx.rank)
     rows = []
     for sample in iterations(ctx.ep, 1, cfg.task.timing_iters, before=rec.clear):
@@ -128,24 +129,23 @@ def eval_corpora(cfg) -> list:
     return list(dict.fromkeys([cfg.pretrain.corpus, cfg.task.corpus]))
 
 
-def run_rank(ctx, cfg_dict: dict) -> list:
+def run_rank(ctx, spec: RunSpec) -> list:
     """task=finetune on one rank: fine-tune the MoE weights, then evaluate both domains."""
-    cfg = OmegaConf.create(cfg_dict)
-    t = cfg.task
-    fam = family_of(cfg.model.family)
-    model, tok, rows = model_task.setup(ctx, cfg, model_task.call_tokens(cfg))
+    t = spec.task
+    fam = family_of(spec.model.family)
+    model, tok, rows = model_task.setup(ctx, spec, t.call_tokens())
     placements = ep_placements(model)
     if not placements:
-        raise ValueError(f"task=finetune runs on an expert-parallel system; system={cfg.system.name} has no "
+        raise ValueError(f"task=finetune runs on an expert-parallel system; system={spec.system.name} has no "
                          "expert-parallel MoE blocks")
     train_ids = token_ids(t.corpus, t.split, tok)
-    batches = batch_iterator(train_ids, t.batch_size, t.seq_len, seed=cfg.seed * 1000 + ctx.rank + 1)
+    batches = batch_iterator(train_ids, t.batch_size, t.seq_len, seed=spec.seed * 1000 + ctx.rank + 1)
     t0 = clock()
     losses = finetune(ctx, model, fam, batches, t.steps, t.lr, progress=ctx.rank == 0) if t.steps else []
     took = slowest(ctx.ep, clock() - t0)
     losses = mean_over_ranks(ctx.ep, losses)
     results = {}
-    for corpus in eval_corpora(cfg):
+    for corpus in eval_corpora(spec):
         ids_N = rank_eval_ids(ctx, token_ids(corpus, "validation", tok), t.seq_len, t.tokens_per_rank)
         results[corpus] = evaluate_rank_model(ctx, model, ids_N, t.seq_len, placements)
         if ctx.rank == 0:
@@ -154,7 +154,7 @@ def run_rank(ctx, cfg_dict: dict) -> list:
                   f"C_T {sum(r['ct_all'].values()) / len(r['ct_all']):.3f} "
                   f"remote {r['remote_bytes'] / max(r['tokens'], 1):.0f} B/token", flush=True)
     if t.timing_iters:
-        rows += timing_probe(ctx, cfg, tok, model)
+        rows += timing_probe(ctx, spec, tok, model)
     if ctx.rank != 0:
         return rows
     trainable = sum(p.numel() for block in moe_modules(model, fam) for p in block.parameters())

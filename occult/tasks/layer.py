@@ -15,13 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
-
 from ..ep import GroupedExperts, MoELayer, Recorder, TopKRouter, system_config
 from ..ep.measure import barrier, clock, iterations
 from ..ep.static import times_by_marks
 from ..models.families import gate_rule
 from ..records import row
+from ..spec import RunSpec
 from ..synthetic import expert_popularity, sample_topk
 from ..workloads import WORKLOADS, workload_topk
 from .common import comm_rows, parity_gate, routing_rows, timing_rows
@@ -44,102 +43,102 @@ def expert_weights(expert_ids, hidden: int, ffn: int, seed: int, dtype, device) 
     return GroupedExperts(stack(gates, (hidden, ffn)), stack(ups, (hidden, ffn)), stack(downs, (ffn, hidden)))
 
 
-def router_weight(cfg) -> torch.Tensor:
+def router_weight(spec) -> torch.Tensor:
     """The layer's seeded router weight [E, D] (on the host, float32)."""
-    m = cfg.model
-    g = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    m = spec.model
+    g = torch.Generator(device="cpu").manual_seed(spec.seed)
     return torch.randn(m.num_experts, m.hidden_size, generator=g, device="cpu") / m.hidden_size ** 0.5
 
 
-def build_layer(ctx, cfg, system=None, placement=None) -> MoELayer:
-    """This rank's MoE layer of ``cfg.model`` (seeded weights, its own experts only) for
-    ``system`` (default ``cfg.system``) on ``placement`` (default the system's)."""
-    m = cfg.model
+def build_layer(ctx, spec, system=None, placement=None) -> MoELayer:
+    """This rank's MoE layer of ``spec.model`` (seeded weights, its own experts only) for
+    ``system`` (default ``spec.system``) on ``placement`` (default the system's)."""
+    m = spec.model
     dtype = getattr(torch, m.dtype)
-    config = system_config(cfg.system if system is None else system).sized(cfg.task.tokens_per_rank)
+    config = system_config(spec.system if system is None else system).sized(spec.task.tokens_per_rank)
     dispatcher = config.build(ctx.ep, 0, m.num_experts, placement)
-    router_ED = router_weight(cfg)
+    router_ED = router_weight(spec)
     router = TopKRouter(router_ED.to(device=ctx.device, dtype=dtype), m.top_k, rule=gate_rule(m))
-    experts = expert_weights(dispatcher.local_expert_ids, m.hidden_size, m.expert_ffn_size, cfg.seed, dtype,
+    experts = expert_weights(dispatcher.local_expert_ids, m.hidden_size, m.expert_ffn_size, spec.seed, dtype,
                              ctx.device)
     return MoELayer(router, experts, dispatcher, layer_idx=0)
 
 
-def make_inputs(ctx, cfg):
+def make_inputs(ctx, spec):
     """This rank's tokens, forced top-k ids (None for the router) and upstream gradient,
     drawn on the host from the seed and moved to the rank's device."""
-    m, t = cfg.model, cfg.task
-    g = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + 104729 * (ctx.rank + 1))
+    m, t = spec.model, spec.task
+    g = torch.Generator(device="cpu").manual_seed(spec.seed * 1_000_003 + 104729 * (ctx.rank + 1))
     to = dict(device=ctx.device, dtype=getattr(torch, m.dtype))
     x_TD = torch.randn(t.tokens_per_rank, m.hidden_size, generator=g, device="cpu").to(**to)
     grad_TD = torch.randn(t.tokens_per_rank, m.hidden_size, generator=g, device="cpu").to(**to)
     ids_TK = None
     if t.routing in WORKLOADS:
-        ids_TK = rank_workload(cfg, ctx.rank, ctx.world_size, cfg.seed).to(ctx.device)
+        ids_TK = rank_workload(spec, ctx.rank, ctx.world_size, spec.seed).to(ctx.device)
     elif t.routing != "router":
         ids_TK = sample_topk(t.tokens_per_rank, m.top_k,
                              expert_popularity(t.routing, m.num_experts, t.zipf_s), g).to(ctx.device)
     return x_TD, ids_TK, grad_TD
 
 
-def rank_workload(cfg, rank: int, world_size: int, seed: int) -> torch.Tensor:
+def rank_workload(spec, rank: int, world_size: int, seed: int) -> torch.Tensor:
     """Rank ``rank``'s top-k ids [T, K] under a load workload (:mod:`occult.workloads`), on the host."""
-    m, t = cfg.model, cfg.task
+    m, t = spec.model, spec.task
     return workload_topk(t.routing, rank, [t.tokens_per_rank] * world_size, m.top_k, m.num_experts, seed,
                          t.max_over_mean, t.incast_device, t.incast_share, t.trace)
 
 
-def profiling_load(cfg, world_size: int) -> torch.Tensor:
+def profiling_load(spec, world_size: int) -> torch.Tensor:
     """Pairs per expert [E] on the profiling set of :func:`profiling_ids`."""
-    return torch.bincount(profiling_ids(cfg, world_size).flatten(), minlength=cfg.model.num_experts).double()
+    return torch.bincount(profiling_ids(spec, world_size).flatten(), minlength=spec.model.num_experts).double()
 
 
-def profiling_ids(cfg, world_size: int) -> torch.Tensor:
+def profiling_ids(spec, world_size: int) -> torch.Tensor:
     """The top-k ids [N, K] of a profiling set: every rank's routing of the run's workload
     drawn from seed + 1 (a trace: the trace itself; router routing: the layer's router on
     seeded tokens of seed + 1), computed alike in every process (no communication)."""
-    m, t = cfg.model, cfg.task
+    m, t = spec.model, spec.task
     T, E = t.tokens_per_rank, m.num_experts
     if t.routing in WORKLOADS:
-        ids_NK = torch.cat([rank_workload(cfg, r, world_size, cfg.seed + 1) for r in range(world_size)])
+        ids_NK = torch.cat([rank_workload(spec, r, world_size, spec.seed + 1) for r in range(world_size)])
     elif t.routing == "router":
-        g = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
+        g = torch.Generator(device="cpu").manual_seed(spec.seed + 1)
         x_ND = torch.randn(T * world_size, m.hidden_size, generator=g, device="cpu")
-        router = TopKRouter(router_weight(cfg), m.top_k, rule=gate_rule(m))
+        router = TopKRouter(router_weight(spec), m.top_k, rule=gate_rule(m))
         with torch.no_grad():
             ids_NK = router.route(x_ND)[2]
     else:
-        g = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
+        g = torch.Generator(device="cpu").manual_seed(spec.seed + 1)
         ids_NK = sample_topk(T * world_size, m.top_k, expert_popularity(t.routing, E, t.zipf_s), g)
     return ids_NK
 
 
-def task_placement(ctx, cfg):
+def task_placement(ctx, spec):
     """The layer's placement from ``task.placement`` (None: the system's own): EPLB's slots
     from :func:`profiling_load` (rank 0 writes the artifact to the run folder), or a slot
     artifact's first layer."""
-    t = cfg.task
+    t = spec.task
     if t.placement == "contiguous":
         return None
     from ..placement.eplb import load_slot_placements, save_slot_placements
     if t.placement not in ("eplb", "eplb_affinity"):
         placements, _ = load_slot_placements(t.placement)
         return placements[min(placements)]
-    ids_NK = profiling_ids(cfg, ctx.world_size)
-    load_E = torch.bincount(ids_NK.flatten(), minlength=cfg.model.num_experts).double()
-    placements, built_by = slot_placements_of(t, {0: ids_NK}, {0: load_E}, ctx, expert_groups(cfg.model))
+    ids_NK = profiling_ids(spec, ctx.world_size)
+    load_E = torch.bincount(ids_NK.flatten(), minlength=spec.model.num_experts).double()
+    placements, built_by = slot_placements_of(t, {0: ids_NK}, {0: load_E}, ctx, expert_groups(spec.model))
     if ctx.rank == 0:
-        save_slot_placements(Path(cfg.get("out_dir_resolved") or ".") / f"placement_{t.placement}.json", placements,
-                             built_by, {"profiling": f"task.routing={t.routing}, seed {cfg.seed + 1}, "
+        save_slot_placements(Path(spec.out_dir) / f"placement_{t.placement}.json", placements,
+                             built_by, {"profiling": f"task.routing={t.routing}, seed {spec.seed + 1}, "
                                         f"{t.tokens_per_rank} tokens per rank",
                                         "load_E": load_E.tolist(), "num_redundant": t.num_redundant})
     return placements[0]
 
 
 def expert_groups(m) -> int:
-    """The model's expert groups (``model.n_group``: its router's group limit; 1 without one):
+    """The model's expert groups (``model.n_group``: its router's group limit; 1: none):
     what EPLB packs onto nodes (:func:`occult.placement.eplb.eplb_rebalance`)."""
-    return int(m.get("n_group", 1) or 1)
+    return int(m.n_group)
 
 
 def slot_placements_of(t, ids_by_layer: dict, load_by_layer: dict, ctx, num_groups: int = 1) -> tuple[dict, dict]:
@@ -156,20 +155,19 @@ def slot_placements_of(t, ids_by_layer: dict, load_by_layer: dict, ctx, num_grou
             built_by_eplb())
 
 
-def run_rank(ctx, cfg_dict: dict) -> list:
+def run_rank(ctx, spec: RunSpec) -> list:
     """One rank's part of task=layer; returns its result rows."""
-    cfg = OmegaConf.create(cfg_dict)
-    t = cfg.task
+    t = spec.task
     rows = []
-    layer = build_layer(ctx, cfg, placement=task_placement(ctx, cfg))
+    layer = build_layer(ctx, spec, placement=task_placement(ctx, spec))
     placement = layer.dispatcher.placement
     if t.check_parity:
-        rows += parity_gate(ctx, cfg, cfg.system, t.routing, placement)
+        rows += parity_gate(ctx, spec, spec.system, t.routing, placement)
     if t.calibrate and ctx.world_size > 1:
         # this world's loopback under the load the timed iterations will see
         from .calibrate import calibration_rows
         rows += calibration_rows(ctx)
-    x_TD, ids_TK, grad_TD = make_inputs(ctx, cfg)
+    x_TD, ids_TK, grad_TD = make_inputs(ctx, spec)
     rec = Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives, marks=times_by_marks(layer.dispatcher.config))
     for sample in iterations(ctx.ep, t.warmup, t.iters):
         sample_rows = time_iteration(ctx, layer, x_TD, ids_TK, grad_TD, rec, sample, t.backward)

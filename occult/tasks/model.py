@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as nnf
-from omegaconf import OmegaConf
 
 from ..data.batches import batch_iterator, eval_batches, token_ids
 from ..data.tokenizer import get_tokenizer
@@ -29,68 +28,73 @@ from ..ep.static import dynamic_calls, times_by_marks
 from ..models.grad_sync import GRAD_SYNCS, GradSync
 from ..models.runtime import base_model, forward_micro_batches, make_rank_model, micro_batches
 from ..records import row
+from ..spec import RunSpec
 from .common import (comm_rows, model_parity_gate, parity_gate, routing_rows, step_span_rows, step_traffic_rows,
                      timing_rows)
+from .options import Migrated, Placed
 
 
-def prepare(cfg_dict: dict) -> dict:
+def prepare(spec: RunSpec) -> RunSpec:
     """In the launching process: the checkpoint every rank loads (pre-training a proxy
     first when its cached checkpoint is missing, which ``setup_done`` then records: the
     sweep's time-left estimate leaves such a point out)."""
-    cfg = OmegaConf.create(cfg_dict)
-    m = cfg.model
+    m = spec.model
     if m.path:
-        cfg_dict["checkpoint"] = str(m.path)
-    elif m.proxy and m.init == "trained":
+        return spec.replace(checkpoint=str(m.path))
+    if m.proxy and m.init == "trained":
         from .pretrain import ensure_trained, is_trained
-        if not is_trained(cfg):
-            cfg_dict.setdefault("setup_done", []).append(f"pre-trained {m.name}")
-        cfg_dict["checkpoint"] = str(ensure_trained(cfg))
-    else:
-        cfg_dict["checkpoint"] = None
-    return cfg_dict
+        done = () if is_trained(spec) else (f"pre-trained {m.name}",)
+        return spec.replace(checkpoint=str(ensure_trained(spec)), setup_done=spec.setup_done + done)
+    return spec.replace(checkpoint=None)
 
 
-def setup(ctx, cfg, tokens_per_call: int):
+def routed_prepare(spec: RunSpec) -> RunSpec:
+    """For a world routed in one process (task=simulate, place, placement_load) with
+    ``routing=router``: the checkpoint whose routers route (a proxy pre-trained first when
+    missing: :func:`prepare`); other sources read no weights."""
+    if spec.task.routing != "router":
+        return spec.replace(checkpoint=None)
+    if not spec.task.routers:
+        return prepare(spec)
+    from .simulate import routers_spec
+    prepared = prepare(routers_spec(spec))       # the routers' model: its checkpoint
+    return spec.replace(checkpoint=prepared.checkpoint, setup_done=prepared.setup_done)
+
+
+def setup(ctx, spec, tokens_per_call: int):
     """This rank's model (eval mode), tokenizer and the parity rows. ``tokens_per_call``: the
     most tokens one rank's layer call holds in the task's work (what a system with fixed
-    buffers is sized by; each task knows it from its own fields, e.g. :func:`call_tokens`)."""
-    tok = get_tokenizer(cfg.pretrain.tokenizer_vocab, corpus=cfg.pretrain.corpus)
-    vocab = cfg.model.vocab_size or tok.vocab_size
+    buffers is sized by; each task knows it from its own fields: its ``call_tokens()``)."""
+    tok = get_tokenizer(spec.pretrain.tokenizer_vocab, corpus=spec.pretrain.corpus)
+    vocab = spec.model.vocab_size or tok.vocab_size
     rows = []
-    full = base_model(cfg, vocab, cfg.get("checkpoint"), device=ctx.device)
-    placements = task_placements(ctx, cfg, full, tok)
-    if cfg.task.check_parity and system_config(cfg.system).expert_parallel:
+    full = base_model(spec, vocab, spec.checkpoint, device=ctx.device)
+    placements = task_placements(ctx, spec, full, tok)
+    if spec.task.check_parity and system_config(spec.system).expert_parallel:
         first = min(placements) if placements else None
-        rows += parity_gate(ctx, cfg, cfg.system, "router", placements.get(first))
-        rows += model_parity_gate(ctx, cfg, cfg.system, placements or None, model_runner(ctx, cfg))
-    model = make_rank_model(ctx, full, cfg, placements or None, tokens_per_rank=tokens_per_call)
+        rows += parity_gate(ctx, spec, spec.system, "router", placements.get(first))
+        rows += model_parity_gate(ctx, spec, spec.system, placements or None, model_runner(ctx, spec))
+    model = make_rank_model(ctx, full, spec, placements or None, tokens_per_rank=tokens_per_call)
     return model.eval(), tok, rows
 
 
-def model_runner(ctx, cfg):
+def model_runner(ctx, spec):
     """What runs the rank model in this task, beyond the model itself (sequence migration's
     wrapper, :func:`run_workload`), as a function of the rank model; None for the model."""
-    if not cfg.task.get("migration"):
+    if not (isinstance(spec.task, Migrated) and spec.task.migration):
         return None
     from .migration import MigratingModel
-    return lambda model: MigratingModel(ctx, model, _placements(cfg, ctx, model))
+    return lambda model: MigratingModel(ctx, model, _placements(spec, ctx, model))
 
 
-def call_tokens(cfg) -> int:
-    """The tokens one rank's layer call holds in the timed work of a task with ``batch_size``
-    and ``seq_len`` (what a system with fixed buffers is sized by): a decode step's B (its
-    prompt runs dynamic), else B S."""
-    t = cfg.task
-    return t.batch_size if t.get("workload", t.name) == "decode" else t.batch_size * t.seq_len
-
-
-def task_placements(ctx, cfg, model, tok) -> dict:
+def task_placements(ctx, spec, model, tok) -> dict:
     """``{layer: SlotPlacement}`` from ``task.placement`` ({} for the system's own): EPLB's,
     from the expert loads of the single-device ``model``'s routers on a profiling set (random
     windows of the train split, seed + 1, four times a step's tokens over all ranks; every rank
     computes the same), the artifact written by rank 0 to the run folder; or an artifact's."""
-    t = getattr(cfg.task, "placement", "contiguous")
+    if not isinstance(spec.task, Placed):        # a task without a placement option: the system's own
+        return {}
+    t = spec.task.placement
     if t == "contiguous":
         return {}
     from ..placement.eplb import load_slot_placements, save_slot_placements
@@ -100,51 +104,51 @@ def task_placements(ctx, cfg, model, tok) -> dict:
     from ..models.families import family_of
     from .profiling import route_text
 
-    n = 4 * cfg.task.batch_size * cfg.task.seq_len * ctx.world_size
+    n = 4 * spec.task.batch_size * spec.task.seq_len * ctx.world_size
     on_host = model if next(model.parameters()).device.type == "cpu" else copy.deepcopy(model).to("cpu")
-    routed = route_text(on_host, family_of(cfg.model.family), token_ids(cfg.task.corpus, "train", tok), n,
-                        cfg.task.seq_len, cfg.seed + 1)
-    E = cfg.model.num_experts
+    routed = route_text(on_host, family_of(spec.model.family), token_ids(spec.task.corpus, "train", tok), n,
+                        spec.task.seq_len, spec.seed + 1)
+    E = spec.model.num_experts
     ids = {layer: ids_NK for layer, (ids_NK, _, _) in routed.items()}
     loads = {layer: torch.bincount(ids_NK.flatten(), minlength=E).double() for layer, ids_NK in ids.items()}
-    placements, built_by = slot_placements_of(cfg.task, ids, loads, ctx, expert_groups(cfg.model))
+    placements, built_by = slot_placements_of(spec.task, ids, loads, ctx, expert_groups(spec.model))
     if ctx.rank == 0:
-        save_slot_placements(Path(cfg.get("out_dir_resolved") or ".") / f"placement_{t}.json", placements,
+        save_slot_placements(Path(spec.out_dir) / f"placement_{t}.json", placements,
                              built_by, {"profiling": f"the model's routers on {n} tokens of the train split "
-                                        f"of {cfg.task.corpus}, seed {cfg.seed + 1}",
+                                        f"of {spec.task.corpus}, seed {spec.seed + 1}",
                                         "load_LE": {str(k): v.tolist() for k, v in loads.items()},
-                                        "num_redundant": cfg.task.num_redundant})
+                                        "num_redundant": spec.task.num_redundant})
     return placements
 
 
-def rank_batch(ctx, cfg, tok, batch_size: int, seq_len: int, index: int = 0) -> torch.Tensor:
+def rank_batch(ctx, spec, tok, batch_size: int, seq_len: int, index: int = 0) -> torch.Tensor:
     """Held-out sequences for this rank, on its device: eval windows, rank r takes its own block."""
-    ids_N = token_ids(cfg.task.corpus, cfg.task.split, tok)
+    ids_N = token_ids(spec.task.corpus, spec.task.split, tok)
     need = (index * ctx.world_size + ctx.rank + 1) * batch_size
     batches = eval_batches(ids_N, need, seq_len)
     x_BS = next(batches)[0]
     if x_BS.shape[0] < need:
         raise ValueError(f"task.batch_size={batch_size} x {ctx.world_size} ranks x task.seq_len={seq_len} "
-                         f"needs more held-out text than the {cfg.task.split} split has")
+                         f"needs more held-out text than the {spec.task.split} split has")
     return x_BS[need - batch_size:need].to(ctx.device)
 
 
-def _finish(ctx, cfg, rec: Recorder, rows: list, model) -> list:
+def _finish(ctx, spec, rec: Recorder, rows: list, model) -> list:
     """The last timed iteration's collectives and routing (and the trace, when asked)."""
-    rows += comm_rows(rec) + routing_rows(ctx, rec, _placements(cfg, ctx, model))
-    if cfg.task.save_routing:
+    rows += comm_rows(rec) + routing_rows(ctx, rec, _placements(spec, ctx, model))
+    if spec.task.save_routing:
         from .traces import write_trace
-        write_trace(ctx, rec, Path(cfg.get("out_dir_resolved") or "."))
+        write_trace(ctx, rec, Path(spec.out_dir))
     return rows
 
 
-def _placements(cfg, ctx, model) -> dict:
+def _placements(spec, ctx, model) -> dict:
     """{layer: placement} of the model's EP blocks (contiguous for a model without them)."""
     from ..ep import Placement
     from ..models.ep_block import ep_placements
     found = ep_placements(model)
-    contiguous = Placement.contiguous(cfg.model.num_experts, ctx.world_size)
-    return {layer: found.get(layer, contiguous) for layer in range(cfg.model.num_layers)}
+    contiguous = Placement.contiguous(spec.model.num_experts, ctx.world_size)
+    return {layer: found.get(layer, contiguous) for layer in range(spec.model.num_layers)}
 
 
 def _iterations(ctx, t, rec: Recorder):
@@ -160,10 +164,10 @@ class Workload:
 
     phase = ""
 
-    def __init__(self, ctx, cfg, tok, model):
-        self.ctx, self.cfg, self.model = ctx, cfg, model
-        # micro-batches co-executed as strands (task.microbatches; a task without the field: 1)
-        self.microbatches = int(cfg.task.get("microbatches", 1))
+    def __init__(self, ctx, spec, tok, model):
+        self.ctx, self.spec, self.model = ctx, spec, model
+        # micro-batches co-executed as strands (task.microbatches)
+        self.microbatches = spec.task.microbatches
 
     def forward(self, inputs: list) -> list:
         """The model on each micro-batch's ``inputs`` (co-executed when there are several)."""
@@ -178,13 +182,13 @@ class PrefillWorkload(Workload):
 
     phase = "prefill"
 
-    def __init__(self, ctx, cfg, tok, model):
-        super().__init__(ctx, cfg, tok, model.eval())
-        self.x_BS = rank_batch(ctx, cfg, tok, cfg.task.batch_size, cfg.task.seq_len)
+    def __init__(self, ctx, spec, tok, model):
+        super().__init__(ctx, spec, tok, model.eval())
+        self.x_BS = rank_batch(ctx, spec, tok, spec.task.batch_size, spec.task.seq_len)
         self.x_mBS = micro_batches(self.x_BS, self.microbatches)
 
     def step(self, rec, sample):
-        ctx, t = self.ctx, self.cfg.task
+        ctx, t = self.ctx, self.spec.task
         t0 = clock()
         with torch.no_grad(), recording(rec):
             for out in self.forward([{"input_ids": x, "use_cache": False} for x in self.x_mBS]):
@@ -211,15 +215,15 @@ class DecodeWorkload(PrefillWorkload):
 
     phase = "decode"
 
-    def __init__(self, ctx, cfg, tok, model):
-        super().__init__(ctx, cfg, tok, model)
-        if cfg.task.get("cuda_graph", False):
+    def __init__(self, ctx, spec, tok, model):
+        super().__init__(ctx, spec, tok, model)
+        if spec.task.cuda_graph:
             from ..ep.graphs import graph_blocks
             from ..models.ep_block import EPMoEBlock
             graph_blocks(self.model, EPMoEBlock)
 
     def step(self, rec, sample):
-        ctx, t, model = self.ctx, self.cfg.task, self.model
+        ctx, t, model = self.ctx, self.spec.task, self.model
         steps = []
         with torch.no_grad(), recording(rec):
             t0 = clock()
@@ -257,16 +261,16 @@ class TrainWorkload(Workload):
 
     phase = "train"
 
-    def __init__(self, ctx, cfg, tok, model):
-        super().__init__(ctx, cfg, tok, model.train())
-        t = cfg.task
+    def __init__(self, ctx, spec, tok, model):
+        super().__init__(ctx, spec, tok, model.train())
+        t = spec.task
         self.opt = torch.optim.AdamW(model.parameters(), lr=t.lr)
         ids_N = token_ids(t.corpus, "train", tok)
-        self.batches = batch_iterator(ids_N, t.batch_size, t.seq_len, seed=cfg.seed * 1000 + ctx.rank)
-        self.sync = GradSync(ctx, model, t.get("grad_sync", "end"))
+        self.batches = batch_iterator(ids_N, t.batch_size, t.seq_len, seed=spec.seed * 1000 + ctx.rank)
+        self.sync = GradSync(ctx, model, t.grad_sync)
 
     def step(self, rec, sample):
-        ctx, t, model = self.ctx, self.cfg.task, self.model
+        ctx, t, model = self.ctx, self.spec.task, self.model
         x_BS, y_BS = (b.to(ctx.device) for b in next(self.batches))
         t0 = clock()
         with recording(rec):
@@ -298,36 +302,35 @@ class TrainWorkload(Workload):
 WORKLOADS = {"prefill": PrefillWorkload, "decode": DecodeWorkload, "train": TrainWorkload}
 
 
-def run_workload(ctx, cfg_dict: dict, workload: str) -> list:
+def run_workload(ctx, spec: RunSpec, workload: str) -> list:
     """A whole-model task on this rank: the parity gate, the rank model, warm-up and timed
     iterations of ``workload``, then the last iteration's collectives and routing."""
-    cfg = OmegaConf.create(cfg_dict)
-    model, tok, rows = setup(ctx, cfg, call_tokens(cfg))
-    runner = model_runner(ctx, cfg)
+    model, tok, rows = setup(ctx, spec, spec.task.call_tokens())
+    runner = model_runner(ctx, spec)
     if runner is not None:
         model = runner(model)
-    work = WORKLOADS[workload](ctx, cfg, tok, model)
+    work = WORKLOADS[workload](ctx, spec, tok, model)
     if ctx.rank == 0:       # what the report tells co-executed runs by (their spans hold the other strands' turns)
         rows.append(row("microbatches", work.microbatches, "micro-batches"))
         if isinstance(work, TrainWorkload):     # and the gradient sync's schedule, as its index in GRAD_SYNCS
             rows.append(row("grad_sync_mode", GRAD_SYNCS.index(work.sync.mode), "index"))
-    rec = Recorder(rank=ctx.rank, sync_collectives=cfg.task.sync_collectives,
-                   marks=times_by_marks(system_config(cfg.system)))
-    for sample in _iterations(ctx, cfg.task, rec):
+    rec = Recorder(rank=ctx.rank, sync_collectives=spec.task.sync_collectives,
+                   marks=times_by_marks(spec.system))
+    for sample in _iterations(ctx, spec.task, rec):
         rows += work.step(rec, sample)
-    return _finish(ctx, cfg, rec, rows, model)
+    return _finish(ctx, spec, rec, rows, model)
 
 
-def prefill_rank(ctx, cfg_dict: dict) -> list:
+def prefill_rank(ctx, spec: RunSpec) -> list:
     """task=prefill: one forward over B prompts of S tokens; time to first token."""
-    return run_workload(ctx, cfg_dict, "prefill")
+    return run_workload(ctx, spec, "prefill")
 
 
-def decode_rank(ctx, cfg_dict: dict) -> list:
+def decode_rank(ctx, spec: RunSpec) -> list:
     """task=decode: greedy generation of N tokens with a KV cache after a prompt."""
-    return run_workload(ctx, cfg_dict, "decode")
+    return run_workload(ctx, spec, "decode")
 
 
-def train_rank(ctx, cfg_dict: dict) -> list:
+def train_rank(ctx, spec: RunSpec) -> list:
     """task=train: forward, backward, gradient synchronisation and an AdamW step."""
-    return run_workload(ctx, cfg_dict, "train")
+    return run_workload(ctx, spec, "train")

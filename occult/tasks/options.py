@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Dict, List, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from ..errors import ConfigError
+from ..schemas import field_default
 from ..synthetic import ROUTINGS
 from ..workloads import MAX_OVER_MEAN_CAP
 
@@ -77,6 +78,51 @@ class TaskConf:
         """Whether the task's placement holds copies of some expert (a task without a
         placement option: none)."""
         return False
+
+    # the context columns of every row that come from task fields (occult.runner.run_context),
+    # each with the value a task without that field writes
+    NO_FIELD_COLUMNS: ClassVar[Dict[str, Any]] = {"tokens_per_rank": -1, "routing": "", "placement": "",
+                                                  "migration": False, "batch_size": -1, "seq_len": -1}
+
+    def columns(self, world_size: int) -> Dict[str, Any]:
+        """This task's values of the context columns (:data:`NO_FIELD_COLUMNS` where it has
+        no such field; a whole model without a ``routing`` field is routed by its routers)."""
+        have = {f.name for f in dataclasses.fields(self)}
+        out = {k: getattr(self, k) if k in have else v for k, v in self.NO_FIELD_COLUMNS.items()}
+        if self.whole_model and "routing" not in have:
+            out["routing"] = "router"
+        return out
+
+    def replayed_trace(self) -> Optional[str]:
+        """The routing trace the task replays (None: it replays none)."""
+        return None
+
+    def routers_model_name(self) -> Optional[str]:
+        """The conf/model whose routers route this task's world (None: the run's own model);
+        the runner resolves it into :attr:`occult.spec.RunSpec.routers_model`."""
+        return None
+
+    def compared_names(self) -> List[str]:
+        """The names of the systems the task compares (none: it runs the top-level system)."""
+        return []
+
+    def schedule(self) -> Dict[str, Any]:
+        """The task's schedule of a whole model that the whole-model parity gate runs too
+        (``microbatches``, ``grad_sync``: :func:`occult.parity.check_model`); none here."""
+        return {}
+
+    def schedule_changes(self) -> List[str]:
+        """The task's settings, set away from their defaults, that make a whole model compute
+        other than layer by layer, each layer as alone (what the whole-model gate checks)."""
+        return []
+
+    def trains(self) -> bool:
+        """Whether the task's timed work trains (the whole-model gate then checks the backward)."""
+        return False
+
+    def is_default(self, name: str) -> bool:
+        """Whether field ``name`` holds its schema default."""
+        return getattr(self, name) == field_default(type(self), name)
 
 
 @dataclass
@@ -153,6 +199,9 @@ class LayerInputs(TaskConf):
             if self.routing != routing:
                 out[name] = f"read only with task.routing={routing}"
         return out
+
+    def replayed_trace(self) -> Optional[str]:
+        return self.trace if self.routing == "trace" else None
 
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
@@ -258,6 +307,11 @@ class Text(TaskConf):
         _at_least("batch_size", self.batch_size, 1)
         _at_least("seq_len", self.seq_len, 1)
 
+    def call_tokens(self) -> int:
+        """The most tokens one rank's layer call holds in the timed work (what a system with
+        fixed buffers is sized by): the batch, B S."""
+        return self.batch_size * self.seq_len
+
 
 @dataclass
 class MicroBatched(Text, Exchanges):
@@ -266,6 +320,13 @@ class MicroBatched(Text, Exchanges):
     in flight while another computes (:mod:`occult.ep.strands`); 1: the batch at once."""
 
     microbatches: int = 1
+
+    def schedule(self) -> Dict[str, Any]:
+        return {**super().schedule(), "microbatches": self.microbatches}
+
+    def schedule_changes(self) -> List[str]:
+        mine = [] if self.is_default("microbatches") else [f"task.microbatches={self.microbatches}"]
+        return mine + super().schedule_changes()
 
     def check(self) -> None:
         super().check()
@@ -313,17 +374,27 @@ class LayerTask(Timed, Gated, Exchanges, Placed, LayerInputs):
 
 
 @dataclass
-class BenchTask(Timed, Gated, Exchanges, LayerInputs):
-    """task=bench: systems side by side on one MoE layer, forward and backward
-    (:mod:`occult.tasks.bench`). ``compare``: the systems, each a conf/system name or a
-    system config (``{name: occult, kernels: epd}``); the first is the baseline."""
+class Compared(TaskConf):
+    """Systems side by side in one world (:mod:`occult.tasks.bench`): ``compare``, each a
+    conf/system name or a system config (``{name: occult, kernels: epd}``); the first is the
+    baseline. Such a task runs no top-level system."""
 
     compare: List[Any] = field(default_factory=lambda: ["naive", "occult"])
+
+    uses_system: ClassVar[bool] = False
+
+    def compared_names(self) -> List[str]:
+        return [s if isinstance(s, str) else s.get("name", "?") for s in self.compare]
+
+
+@dataclass
+class BenchTask(Timed, Gated, Exchanges, LayerInputs, Compared):
+    """task=bench: systems side by side on one MoE layer, forward and backward
+    (:mod:`occult.tasks.bench`)."""
 
     entry: ClassVar[str] = "occult.tasks.bench.run_rank"
     prepare: ClassVar[str] = "occult.tasks.bench.prepare"
     expert_parallel_only: ClassVar[bool] = True
-    uses_system: ClassVar[bool] = False
 
 
 @dataclass
@@ -333,6 +404,10 @@ class Migrated(TaskConf):
     expert) pairs (predicted from the previous step's routing); its outputs return home."""
 
     migration: bool = False
+
+    def schedule_changes(self) -> List[str]:
+        mine = [] if self.is_default("migration") else [f"task.migration={str(self.migration).lower()}"]
+        return super().schedule_changes() + mine
 
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
@@ -369,6 +444,10 @@ class DecodeTask(PrefillTask):
 
     entry: ClassVar[str] = "occult.tasks.model.decode_rank"
 
+    def call_tokens(self) -> int:
+        """A decode step's B (its prompt runs the dynamic dispatch)."""
+        return self.batch_size
+
     def check(self) -> None:
         super().check()
         _at_least("new_tokens", self.new_tokens, 0)
@@ -403,6 +482,16 @@ class TrainTask(Timed, Gated, Placed, MicroBatched, Migrated):
     save_routing: bool = False
     grad_sync: str = "end"
 
+    def schedule(self) -> Dict[str, Any]:
+        return {**super().schedule(), "grad_sync": self.grad_sync}
+
+    def schedule_changes(self) -> List[str]:
+        mine = [] if self.is_default("grad_sync") else [f"task.grad_sync={self.grad_sync}"]
+        return super().schedule_changes() + mine
+
+    def trains(self) -> bool:
+        return True
+
     def check(self) -> None:
         super().check()
         from ..models.grad_sync import GRAD_SYNCS
@@ -415,12 +504,27 @@ class TrainTask(Timed, Gated, Placed, MicroBatched, Migrated):
     whole_model: ClassVar[bool] = True
 
 
+# the whole-model workloads (task=bench_model's ``workload``) and the tasks whose iterations they are
+WORKLOAD_TASKS = {"prefill": PrefillTask, "decode": DecodeTask, "train": TrainTask}
+
+
+def workload_task(t: TaskConf, workload: str) -> TaskConf:
+    """The config of ``workload``'s own task (prefill, decode or train: :data:`WORKLOAD_TASKS`)
+    with task ``t``'s values of the fields the two share and that task's defaults for the
+    rest (its schedule: the batch at once, the gradient sync at the end; nothing saved):
+    what a task that runs a workload's iterations (task=bench_model, task=finetune's timing
+    probe) hands them."""
+    cls = WORKLOAD_TASKS[workload]
+    mine = {f.name for f in dataclasses.fields(t)} - {"name", "schema"}
+    shared = {f.name: getattr(t, f.name) for f in dataclasses.fields(cls) if f.name in mine}
+    return cls(name=workload, schema=f"{cls.__module__}.{cls.__qualname__}", **shared)
+
+
 @dataclass
-class BenchModelTask(Timed, Gated, Exchanges, Text, HeldOut):
+class BenchModelTask(Timed, Gated, Exchanges, Text, HeldOut, Compared):
     """task=bench_model: systems side by side on a whole model's ``workload`` (the
     prefill, decode or train task's own iterations)."""
 
-    compare: List[Any] = field(default_factory=lambda: ["naive", "occult"])
     workload: str = "prefill"           # prefill | decode | train
     new_tokens: int = 16                # workload=decode
     lr: float = 1e-3                    # workload=train
@@ -428,7 +532,6 @@ class BenchModelTask(Timed, Gated, Exchanges, Text, HeldOut):
     entry: ClassVar[str] = "occult.tasks.bench.model_rank"
     prepare: ClassVar[str] = "occult.tasks.bench.prepare"
     whole_model: ClassVar[bool] = True
-    uses_system: ClassVar[bool] = False
 
     def check(self) -> None:
         super().check()
@@ -541,7 +644,7 @@ class RoutedWorld(TaskConf):
     synthetic_tokens: int = 0           # uniform | zipf: 0 every rank draws its own; N: N tokens per layer,
                                         # the world's drawn from them (with replacement where it needs more)
 
-    prepare: ClassVar[str] = "occult.tasks.simulate.prepare"
+    prepare: ClassVar[str] = "occult.tasks.model.routed_prepare"
     expert_parallel_only: ClassVar[bool] = True
     one_process: ClassVar[bool] = True
     clock: ClassVar[str] = "simulated"
@@ -579,6 +682,18 @@ class RoutedWorld(TaskConf):
     def check_run(self, cfg) -> None:
         from .simulate import check_source
         check_source(self, cfg)
+
+    def columns(self, world_size: int) -> Dict[str, Any]:
+        out = super().columns(world_size)
+        if self.total_tokens:
+            out["tokens_per_rank"] = self.total_tokens // world_size
+        return out
+
+    def replayed_trace(self) -> Optional[str]:
+        return self.trace if self.routing == "trace" else None
+
+    def routers_model_name(self) -> Optional[str]:
+        return self.routers
 
 
 @dataclass
@@ -746,10 +861,8 @@ def check_task(task) -> TaskConf:
     leave unread but that are set away from their defaults."""
     typed = task_config(task)
     typed.check()
-    defaults = {f.name: f for f in dataclasses.fields(typed)}
     for name, why in typed.unread().items():
-        f = defaults[name]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = field_default(type(typed), name)
         value = getattr(typed, name)
         if value != default:
             raise ConfigError(f"task.{name}={value!r}: task={typed.name} does not read it here ({why}); "

@@ -26,13 +26,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from ..ep.accounting import ct_all
 from ..ep.measure import stopwatch
 from ..ep.placement import Placement
 from ..placement import load_max_over_mean, optimise, save_placements
 from ..records import row
+from ..spec import RunSpec
 from .simulate import one_thread, rank_routing, task_layers, world_source
 
 ARTIFACT = "placements.json"
@@ -57,26 +57,25 @@ def layer_rows(layer: int, optimiser: str, ids_WK: torch.Tensor, placed: Placeme
     return out
 
 
-def run_rank(ctx, cfg_dict: dict) -> list:
+def run_rank(ctx, spec: RunSpec) -> list:
     """Every layer's placement for the simulated world, on this one process; returns its rows."""
     with one_thread():
-        return _place(ctx, cfg_dict)
+        return _place(ctx, spec)
 
 
-def _place(ctx, cfg_dict: dict) -> list:
-    cfg = OmegaConf.create(cfg_dict)
-    t, m, P = cfg.task, cfg.model, cfg.cluster.world_size
-    source = world_source(cfg, salt=PROFILING_STREAM)
+def _place(ctx, spec: RunSpec) -> list:
+    t, m, P = spec.task, spec.model, spec.cluster.world_size
+    source = world_source(spec, salt=PROFILING_STREAM)
     placements, rows = {}, []
-    for layer in task_layers(cfg):
-        ids_WK = world_ids(cfg, source, layer)
+    for layer in task_layers(m, t.sample_layers):
+        ids_WK = world_ids(spec, source, layer)
         with stopwatch() as sw:
-            placements[layer] = optimise(t.optimiser, ids_WK, m.num_experts, P, load_cap=t.load_cap, seed=cfg.seed,
+            placements[layer] = optimise(t.optimiser, ids_WK, m.num_experts, P, load_cap=t.load_cap, seed=spec.seed,
                                          time_limit_s=t.time_limit_s)
         rows += layer_rows(layer, t.optimiser, ids_WK, placements[layer], sw.seconds)
     meta = {"task": "place", "built_by": "harness", "optimiser": t.optimiser, "load_cap": t.load_cap,
             "time_limit_s": t.time_limit_s if t.optimiser == "swap_search" else None, "model": m.name,
             "world_size": P, "routing": t.routing, "split": t.split if t.routing == "router" else None,
-            "tokens": int(ids_WK.shape[0]), "seed": cfg.seed}
-    save_placements(Path(cfg_dict["out_dir_resolved"]) / ARTIFACT, placements, meta)
+            "tokens": int(ids_WK.shape[0]), "seed": spec.seed}
+    save_placements(Path(spec.out_dir) / ARTIFACT, placements, meta)
     return rows

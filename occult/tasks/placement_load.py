@@ -33,7 +33,6 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
-from omegaconf import OmegaConf
 
 from ..ep import system_config
 from ..ep.comm import EPGroup
@@ -41,6 +40,7 @@ from ..ep.placement import Placement
 from ..ep.plan import RowShape, plan_world
 from ..ep.replica_rules import REPLICA_POLICIES
 from ..records import row
+from ..spec import RunSpec
 from .simulate import one_thread, rank_routing, task_layers, world_source
 
 SYSTEMS = {"naive": "baselines.naive.NaiveDispatcher", "occult": "occult.collab.dispatcher.OccultDispatcher"}
@@ -187,29 +187,28 @@ def arm_rows(shape: RowShape, dims: dict, ep: EPGroup, arm: tuple, ev_NK: torch.
     return out + peer_rows(world, P, dims["G"], label, layer)
 
 
-def run_rank(ctx, cfg_dict: dict) -> list:
+def run_rank(ctx, spec: RunSpec) -> list:
     """The whole front on this one process, at one intra-op thread; returns its rows."""
     with one_thread():
-        return _front(ctx, cfg_dict)
+        return _front(ctx, spec)
 
 
-def _front(ctx, cfg_dict: dict) -> list:
-    cfg = OmegaConf.create(cfg_dict)
-    m, t, c = cfg.model, cfg.task, cfg.cluster
+def _front(ctx, spec: RunSpec) -> list:
+    m, t, c = spec.model, spec.task, spec.cluster
     ep = EPGroup(0, c.world_size, None, "cpu", c.devices_per_node)       # never started: nothing is sent
     shape = RowShape(m.hidden_size, m.expert_ffn_size, getattr(torch, m.dtype))
     source = profiling = None
     layers = [0]
     if not t.max_over_mean:
-        source = world_source(cfg)
-        prof_cfg = OmegaConf.merge(cfg, {"task": {"split": t.profiling_split}})
-        profiling = (prof_cfg, world_source(prof_cfg, salt=1))
-        layers = task_layers(cfg)
+        source = world_source(spec)
+        prof_spec = spec.with_task(split=t.profiling_split)
+        profiling = (prof_spec, world_source(prof_spec, salt=1))
+        layers = task_layers(m, t.sample_layers)
     dims = {"E": int(m.num_experts), "K": int(m.top_k), "D": int(m.hidden_size), "F": int(m.expert_ffn_size),
             "P": int(c.world_size), "G": int(c.devices_per_node)}
     rows = []
     for layer in layers:
-        prof_NK, ev_NK = routing_sets(cfg, layer, source, profiling)
-        for arm in arms(layer_placements(cfg, prof_NK, c.devices_per_node)):
+        prof_NK, ev_NK = routing_sets(spec, layer, source, profiling)
+        for arm in arms(layer_placements(spec, prof_NK, c.devices_per_node)):
             rows += arm_rows(shape, dims, ep, arm, ev_NK, layer)
     return rows

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from ..ep.measure import clock
 from ..placement.study import cap_label, judge, placement_frame, save_artifacts, study_jobs, study_rows
+from ..spec import RunSpec
 
 TRACE_WINDOWS_PER_BATCH = 8
 
@@ -114,18 +114,17 @@ def run_jobs(ctx, jobs: list, profile_ids: dict, held_ids: dict, held_home: torc
     return out
 
 
-def run_rank(ctx, cfg_dict: dict) -> list:
+def run_rank(ctx, spec: RunSpec) -> list:
     """task=placement_study on one rank (see the module docstring); rank 0 writes the outputs."""
-    cfg = OmegaConf.create(cfg_dict)
-    E = cfg.model.num_experts
+    E = spec.model.num_experts
     t0 = clock()
-    profile_ids, held_ids, held_home = collect_traces(ctx, cfg)
-    optimisers, caps = list(cfg.task.optimisers), list(cfg.task.load_caps)
+    profile_ids, held_ids, held_home = collect_traces(ctx, spec)
+    optimisers, caps = list(spec.task.optimisers), list(spec.task.load_caps)
     jobs = study_jobs(sorted(profile_ids), optimisers, caps)
     if ctx.rank == 0:
         print(f"placement study: {len(jobs)} jobs ({len(optimisers)} optimisers x {len(caps)} caps x "
               f"{len(profile_ids)} layers) on {ctx.world_size} rank(s)", flush=True)
-    mine = run_jobs(ctx, jobs, profile_ids, held_ids, held_home, E, cfg.seed, cfg.task.swap_time_limit_s)
+    mine = run_jobs(ctx, jobs, profile_ids, held_ids, held_home, E, spec.seed, spec.task.swap_time_limit_s)
     gathered = [mine]
     if ctx.world_size > 1:
         gathered = [None] * ctx.world_size
@@ -133,13 +132,13 @@ def run_rank(ctx, cfg_dict: dict) -> list:
     if ctx.rank != 0:
         return []
     results = [r for part in gathered for r in part]
-    out_dir = Path(cfg_dict.get("out_dir_resolved") or ".")
+    out_dir = Path(spec.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     df = placement_frame(results, optimisers, caps)
-    meta = {"model": cfg.model.name, "checkpoint": cfg_dict.get("checkpoint"), "num_experts": E,
-            "world_size": ctx.world_size, "top_k": cfg.model.top_k, "profiling": f"{cfg.task.corpus}/{cfg.task.split}",
+    meta = {"model": spec.model.name, "checkpoint": spec.checkpoint, "num_experts": E,
+            "world_size": ctx.world_size, "top_k": spec.model.top_k, "profiling": f"{spec.task.corpus}/{spec.task.split}",
             "profiling_tokens": int(next(iter(profile_ids.values())).shape[0]),
-            "heldout_tokens": int(held_home.numel()), "seed": cfg.seed}
+            "heldout_tokens": int(held_home.numel()), "seed": spec.seed}
     paths = save_artifacts(results, out_dir, meta, caps)
     print(f"placement study: artifacts {[str(p) for p in paths]} ({clock() - t0:.0f} s)", flush=True)
     return study_rows(df)

@@ -36,6 +36,8 @@ from ..data.tokenizer import get_tokenizer
 from ..models.build import hf_config, init_model, moe_blocks, save_checkpoint
 from ..models.families import family_of, gate_rule
 from ..records import row
+from ..schemas import ModelConf, PretrainConf, field_default, typed
+from ..spec import RunSpec
 from .training import adamw, evaluate, pretraining_schedule
 
 PRETRAIN_VERSION = 1
@@ -45,21 +47,23 @@ ARCH_FIELDS = ("family", "num_experts", "top_k", "hidden_size", "expert_ffn_size
                "num_layers", "num_heads", "num_shared_experts", "shared_expert_ffn_size", "dense_ffn_size",
                "first_k_dense", "max_position", "hf_overrides")
 # fields added after the first proxies were cached: in the key only where they differ from
-# their defaults, so that the cached proxies keep their keys
-LATER_ARCH_FIELDS = {"scoring_func": "softmax", "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
-                     "balance_loss": "switch", "balance_coef": None, "bias_update_speed": 0.0}
+# their defaults (declared in the model's and the pre-training's schemas), so that the cached
+# proxies keep their keys
+LATER_ARCH_FIELDS = ("scoring_func", "routed_scaling_factor", "n_group", "topk_group", "balance_loss", "balance_coef",
+                     "bias_update_speed")
 TRAIN_FIELDS = ("steps", "lr", "batch_size", "seq_len", "balance_coef", "tokenizer_vocab", "corpus", "threads")
 # training fields added later, in the key only where they differ from their defaults
-LATER_TRAIN_FIELDS = {"eval_batches": None}
+LATER_TRAIN_FIELDS = ("eval_batches",)
 
 
 def proxy_dir(cfg) -> Path:
     """Where the proxy trained with these settings is cached (a hash of them names it)."""
-    m, t = OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.pretrain, resolve=True)
-    arch = {k: m.get(k) for k in ARCH_FIELDS}
-    arch.update({k: m.get(k, d) for k, d in LATER_ARCH_FIELDS.items() if m.get(k, d) != d})
-    train = {k: t.get(k) for k in TRAIN_FIELDS}
-    train.update({k: t.get(k, d) for k, d in LATER_TRAIN_FIELDS.items() if t.get(k, d) != d})
+    m = OmegaConf.to_container(OmegaConf.create(typed(ModelConf, cfg.model)), resolve=True)
+    t = OmegaConf.to_container(OmegaConf.create(typed(PretrainConf, cfg.pretrain)), resolve=True)
+    arch = {k: m[k] for k in ARCH_FIELDS}
+    arch.update({k: m[k] for k in LATER_ARCH_FIELDS if m[k] != field_default(ModelConf, k)})
+    train = {k: t[k] for k in TRAIN_FIELDS}
+    train.update({k: t[k] for k in LATER_TRAIN_FIELDS if t[k] != field_default(PretrainConf, k)})
     key = json.dumps({"arch": arch, "train": train,
                       "seed": cfg.seed, "version": PRETRAIN_VERSION}, sort_keys=True)
     return ROOT / "runs" / "cache" / "proxies" / f"{m['name']}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
@@ -144,7 +148,7 @@ def pretrain(cfg, out_dir: Path, progress: bool = True) -> dict:
 
 
 def _pretrain(cfg, out_dir: Path, progress: bool) -> dict:
-    m, t = cfg.model, cfg.pretrain
+    m, t = typed(ModelConf, cfg.model), typed(PretrainConf, cfg.pretrain)
     fam = family_of(m.family)
     tok = get_tokenizer(t.tokenizer_vocab, corpus=t.corpus)
     train_ids, val_ids = token_ids(t.corpus, "train", tok), token_ids(t.corpus, "validation", tok)
@@ -152,9 +156,9 @@ def _pretrain(cfg, out_dir: Path, progress: bool) -> dict:
     # pre-training's recipe (occult.tasks.training: why it differs from fine-tuning's)
     opt, sched = adamw(model.parameters(), t.lr, PRETRAIN_WEIGHT_DECAY, pretraining_schedule(t.steps))
     tap = RouterTap(model, fam)
-    # the model's balancing (fields a model config written before them may lack: their defaults)
-    balance, bias_speed = m.get("balance_loss", "switch"), m.get("bias_update_speed", 0.0)
-    rule, coef = gate_rule(m), t.balance_coef if m.get("balance_coef") is None else m.balance_coef
+    # the model's balancing
+    balance, bias_speed = m.balance_loss, m.bias_update_speed
+    rule, coef = gate_rule(m), t.balance_coef if m.balance_coef is None else m.balance_coef
     curve, t0 = [], time.perf_counter()
     bar = tqdm(batch_iterator(train_ids, t.batch_size, t.seq_len, cfg.seed, t.steps), total=t.steps,
                desc=f"pretrain {m.name}", disable=not progress, mininterval=2.0)
@@ -252,12 +256,11 @@ def ensure_trained(cfg, progress: bool = True) -> Path:
     return out
 
 
-def run_rank(ctx, cfg_dict: dict) -> list:
+def run_rank(ctx, spec: RunSpec) -> list:
     """task=pretrain (one process): trains (or finds) the proxy; rows with its figures."""
-    cfg = OmegaConf.create(cfg_dict)
     if ctx.world_size != 1:
         raise ValueError(f"task=pretrain trains on one process; use cluster=cpu1 (got world size {ctx.world_size})")
-    path = ensure_trained(cfg)
+    path = ensure_trained(spec)
     metrics = json.loads((path / "occult.json").read_text())
     rows = [row("val_loss", metrics["val"]["loss"], "nats/token", rank=0),
             row("val_perplexity", metrics["val"]["perplexity"], "ratio", rank=0),

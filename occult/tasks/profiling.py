@@ -62,33 +62,30 @@ def needs_profile(system) -> bool:
     return isinstance(config, OccultSimilarityPruningDispatcher.Config) and config.needs_router_profile
 
 
-def ensure_similarity_file(cfg_dict: dict) -> dict:
+def ensure_similarity_file(spec):
     """For similarity pruning with ``similarity_file: null``: profiles the pre-trained
     router on the task's training data (``task.corpus``, ``task.split``;
     ``system.profile_tokens`` tokens of seeded random windows), writes
-    ``profile_router_logits.npz`` into the run folder and sets ``system.similarity_file``
-    to it. Other systems pass through unchanged."""
-    system = cfg_dict["system"]
-    if not needs_profile(system):
-        return cfg_dict
-    from omegaconf import OmegaConf
+    ``profile_router_logits.npz`` into the run folder and returns the run spec with
+    ``system.similarity_file`` set to it. Other systems' specs return unchanged."""
+    if not needs_profile(spec.system):
+        return spec
+    import dataclasses
 
     from ..data.batches import token_ids
     from ..data.tokenizer import get_tokenizer
     from ..models.families import family_of
     from ..models.runtime import base_model
 
-    cfg = OmegaConf.create(cfg_dict)
-    t = cfg.task
-    tok = get_tokenizer(cfg.pretrain.tokenizer_vocab, corpus=cfg.pretrain.corpus)
-    model = base_model(cfg, cfg.model.vocab_size or tok.vocab_size, cfg.get("checkpoint"))
-    tokens = int(system_config(system).profile_tokens)
+    t = spec.task
+    tok = get_tokenizer(spec.pretrain.tokenizer_vocab, corpus=spec.pretrain.corpus)
+    model = base_model(spec, spec.model.vocab_size or tok.vocab_size, spec.checkpoint)
+    tokens = int(spec.system.profile_tokens)
     print(f"profiling router logits for similarity pruning: {tokens} tokens of {t.corpus}/{t.split}",
           flush=True)
-    logits = profile_router_logits(model, family_of(cfg.model.family), token_ids(t.corpus, t.split, tok),
-                                   tokens, t.seq_len, seed=cfg.seed + 7)
-    out = Path(cfg_dict.get("out_dir_resolved") or ".") / "profile_router_logits.npz"
+    logits = profile_router_logits(model, family_of(spec.model.family), token_ids(t.corpus, t.split, tok),
+                                   tokens, t.seq_len, seed=spec.seed + 7)
+    out = Path(spec.out_dir) / "profile_router_logits.npz"
     out.parent.mkdir(parents=True, exist_ok=True)
     np.savez(out, **{f"layer_{layer}": a for layer, a in sorted(logits.items())})
-    cfg_dict["system"] = {**system, "similarity_file": str(out)}
-    return cfg_dict
+    return spec.replace(system=dataclasses.replace(spec.system, similarity_file=str(out)))

@@ -65,6 +65,7 @@ from ..errors import ConfigError
 from ..memory import peak_memory
 from ..records import row
 from ..routing_traces import ROUTING_FILE, load_trace, trace_layers
+from ..spec import RunSpec
 from ..synthetic import expert_popularity, gumbel_keys, sample_router
 from .common import comm_rows, rows_per_token_row, token_rows_of
 
@@ -74,11 +75,11 @@ def moe_layers(m) -> list:
     return list(range(m.first_k_dense, m.num_layers))
 
 
-def task_layers(cfg) -> list:
-    """The MoE layers the task computes: every MoE layer of the model (``task.sample_layers``
-    0 or at least their number), else that many evenly spaced (1: the middle layer; 2: the
-    first and the last; 3: first, middle, last)."""
-    layers, n = moe_layers(cfg.model), int(cfg.task.get("sample_layers") or 0)
+def task_layers(model, sample_layers: int) -> list:
+    """The MoE layers a task computes of ``model``: every MoE layer (``sample_layers`` 0 or
+    at least their number), else that many evenly spaced (1: the middle layer; 2: the first
+    and the last; 3: first, middle, last)."""
+    layers, n = moe_layers(model), sample_layers
     if n == 0 or n >= len(layers):
         return layers
     if n == 1:
@@ -91,7 +92,7 @@ def rank_tokens(cfg) -> int:
     """Tokens of every simulated rank: ``task.total_tokens / P`` (strong scaling) or
     ``task.tokens_per_rank``."""
     t = cfg.task
-    return t.total_tokens // cfg.cluster.world_size if t.get("total_tokens") else t.tokens_per_rank
+    return t.total_tokens // cfg.cluster.world_size if t.total_tokens else t.tokens_per_rank
 
 
 # ---------------------------------------------------------------------------
@@ -141,14 +142,15 @@ def check_world(task, cfg) -> None:
     model whose routers can route this one (one line each, :class:`ConfigError`)."""
     P = cfg.cluster.world_size
     if task.routing == "router" and task.routers:
-        r, m = _model_yaml(task.routers), cfg.model
+        m = cfg.model
+        r = _model_yaml(task.routers, m)
         if not r.family:
             raise ConfigError(f"task.routers={task.routers}: a layer-only config has no routers; give a whole model "
                               "(a trained proxy)")
-        if (r.num_experts, r.top_k) != (m.num_experts, m.top_k) or len(moe_layers(r)) < len(task_layers(cfg)):
+        if (r.num_experts, r.top_k) != (m.num_experts, m.top_k) or len(moe_layers(r)) < len(task_layers(m, task.sample_layers)):
             raise ConfigError(f"task.routers={task.routers} routes E={r.num_experts}, top-{r.top_k} in "
                               f"{len(moe_layers(r))} MoE layers; model={m.name} needs E={m.num_experts}, "
-                              f"top-{m.top_k} and routers for {len(task_layers(cfg))} layer(s) "
+                              f"top-{m.top_k} and routers for {len(task_layers(m, task.sample_layers))} layer(s) "
                               f"(task.sample_layers)")
     if task.total_tokens and task.total_tokens % P:
         raise ConfigError(f"task.total_tokens={task.total_tokens} does not share out over cluster.world_size={P} "
@@ -175,35 +177,21 @@ def _transform_of(cfg, layer: int):
     return system_config(cfg.system).build(ep, layer, cfg.model.num_experts).routing_transform(layer)
 
 
-def prepare(cfg_dict: dict) -> dict:
-    """``routing=router``: the checkpoint whose routers route (a proxy pre-trained first when
-    missing: :func:`occult.tasks.model.prepare`); other sources read no weights."""
-    if cfg_dict["task"]["routing"] != "router":
-        cfg_dict["checkpoint"] = None
-        return cfg_dict
-    from .model import prepare as prepare_model
-    routers = cfg_dict["task"].get("routers")
-    if not routers:
-        return prepare_model(cfg_dict)
-    prepared = prepare_model(routers_config(cfg_dict))       # the routers' model: its checkpoint
-    return {**cfg_dict, "checkpoint": prepared["checkpoint"], "setup_done": prepared.get("setup_done", [])}
-
-
-def routers_config(cfg_dict: dict) -> dict:
-    """The run's config with ``model`` replaced by the model whose routers route
+def routers_spec(spec: RunSpec) -> RunSpec:
+    """The run's spec with ``model`` replaced by the model whose routers route
     (``task.routers``, its config resolved by the runner into ``routers_model``; the run's
     own model when unset)."""
-    routers = cfg_dict["task"].get("routers")
-    if not routers:
-        return cfg_dict
-    if not cfg_dict.get("routers_model"):
-        raise ValueError(f"task.routers={routers}: its model config was not resolved (occult.runner.run does)")
-    return {**cfg_dict, "model": cfg_dict["routers_model"]}
+    if not spec.task.routers:
+        return spec
+    if spec.routers_model is None:
+        raise ValueError(f"task.routers={spec.task.routers}: its model config was not resolved "
+                         "(occult.runner.build_spec does)")
+    return spec.with_model(spec.routers_model)
 
 
-def _model_yaml(name: str):
-    """The fields of ``conf/model/<name>.yaml`` that validation reads (family, E, K, layers),
-    as written, with the schema's defaults for the layers (a one-line error for a missing one)."""
+def _model_yaml(name: str, model):
+    """``conf/model/<name>.yaml`` through the schema of ``model`` (the run's model config,
+    typed): its defaults filled in, a one-line error for a missing file or a bad field."""
     import yaml
 
     from .. import CONF_DIR
@@ -211,10 +199,11 @@ def _model_yaml(name: str):
     if not path.is_file():
         names = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
         raise ConfigError(f"task.routers={name}: no such model config; available: {', '.join(names)}")
-    raw = yaml.safe_load(path.read_text()) or {}
-    return OmegaConf.create({"name": name, "family": raw.get("family"), "num_experts": raw.get("num_experts"),
-                             "top_k": raw.get("top_k"), "num_layers": raw.get("num_layers", 1),
-                             "first_k_dense": raw.get("first_k_dense", 0)})
+    schema = type(model) if dataclasses.is_dataclass(model) else OmegaConf.get_type(model)
+    try:
+        return OmegaConf.merge(OmegaConf.structured(schema), yaml.safe_load(path.read_text()) or {})
+    except Exception as exc:  # noqa: BLE001 - an OmegaConf error: one line naming the field
+        raise ConfigError(f"task.routers={name}: {str(exc).splitlines()[0]}") from exc
 
 
 # ---------------------------------------------------------------------------
@@ -243,13 +232,13 @@ def routed_source(cfg) -> dict:
     t = cfg.task
     if t.routing == "trace":
         return trace_layers(t.trace)
-    routed = OmegaConf.create(routers_config(OmegaConf.to_container(cfg, resolve=True)))
+    routed = routers_spec(cfg)
     layers = cached_routing(routed, lambda: _route_held_out(routed))
-    if not t.get("routers"):
+    if not t.routers:
         return layers
     # the routers' MoE layers, sampled as the model's are, stand for the model's sampled layers
-    mine = task_layers(cfg)
-    theirs = task_layers(OmegaConf.merge(routed, {"task": {"sample_layers": len(mine)}}))
+    mine = task_layers(cfg.model, t.sample_layers)
+    theirs = task_layers(routed.model, len(mine))
     return {layer: layers[other] for layer, other in zip(mine, theirs)}
 
 
@@ -262,7 +251,7 @@ def routing_key(cfg) -> str:
     import hashlib
     import json
 
-    ckpt = cfg.get("checkpoint")
+    ckpt = cfg.checkpoint
     digest = "untrained"
     if ckpt:
         h = hashlib.sha256()
@@ -272,7 +261,8 @@ def routing_key(cfg) -> str:
             h.update(f.read_bytes())
         digest = h.hexdigest()
     t = cfg.task
-    key = {"checkpoint": digest, "model": OmegaConf.to_container(cfg.model, resolve=True), "corpus": t.corpus,
+    key = {"checkpoint": digest, "model": OmegaConf.to_container(OmegaConf.create(cfg.model), resolve=True),
+           "corpus": t.corpus,
            "split": t.split, "source_tokens": t.source_tokens, "seq_len": t.seq_len, "seed": cfg.seed,
            "tokenizer_vocab": cfg.pretrain.tokenizer_vocab}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -302,7 +292,7 @@ def _route_held_out(cfg) -> dict:
     from .profiling import route_text
 
     tok = get_tokenizer(cfg.pretrain.tokenizer_vocab, corpus=cfg.pretrain.corpus)
-    model = base_model(cfg, cfg.model.vocab_size or tok.vocab_size, cfg.get("checkpoint"))
+    model = base_model(cfg, cfg.model.vocab_size or tok.vocab_size, cfg.checkpoint)
     return route_text(model, family_of(cfg.model.family), token_ids(t.corpus, t.split, tok), t.source_tokens,
                       t.seq_len, seed=cfg.seed + 11)
 
@@ -314,7 +304,7 @@ def synthetic_source(cfg, salt: int = 0) -> dict:
     m, t = cfg.model, cfg.task
     popularity_E = expert_popularity(t.routing, m.num_experts, t.zipf_s)
     out = {}
-    for layer in task_layers(cfg):
+    for layer in task_layers(m, t.sample_layers):
         g = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + 7919 * (layer + 1) + 15_485_863 * salt
                                                       + 31)
         keys_NE = gumbel_keys(t.synthetic_tokens, popularity_E, g)
@@ -332,7 +322,7 @@ def world_source(cfg, salt: int = 0) -> Optional[Source]:
     t = cfg.task
     if t.routing in ("router", "trace"):
         layers = routed_source(cfg)
-    elif t.get("synthetic_tokens"):
+    elif t.synthetic_tokens:
         layers = synthetic_source(cfg, salt)
     else:
         return None
@@ -484,30 +474,29 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def run_rank(ctx, cfg_dict: dict) -> list:
+def run_rank(ctx, spec: RunSpec) -> list:
     """The whole simulated world on this one process, at one intra-op thread; returns its rows."""
     with one_thread():
-        return _simulate(ctx, cfg_dict)
+        return _simulate(ctx, spec)
 
 
-def _simulate(ctx, cfg_dict: dict) -> list:
+def _simulate(ctx, spec: RunSpec) -> list:
     """:func:`run_rank`'s work: every MoE layer's routing, world plan and rows."""
-    cfg = OmegaConf.create(cfg_dict)
-    m, t, c = cfg.model, cfg.task, cfg.cluster
+    m, t, c = spec.model, spec.task, spec.cluster
     ep = EPGroup(0, c.world_size, None, str(ctx.device), c.devices_per_node)    # never started: nothing is sent
     shape = RowShape(m.hidden_size, m.expert_ffn_size, getattr(torch, m.dtype))
-    source = world_source(cfg)
+    source = world_source(spec)
     rows = []
     if source is not None:
         rows += [row("source_tokens", source.tokens, "tokens"),
                  row("resampled_tokens", float(source.resampled), "bool")]
-    for layer in task_layers(cfg):
+    for layer in task_layers(m, t.sample_layers):
         T = t.total_tokens // c.world_size if t.total_tokens else t.tokens_per_rank
-        dispatcher = system_config(cfg.system).sized(T).build(ep, layer, m.num_experts)
+        dispatcher = system_config(spec.system).sized(T).build(ep, layer, m.num_experts)
         need_probs = dispatcher.routing_transform(layer) is not None
         routing = []
         for rank in range(c.world_size):
-            ids_TK, w_TK, probs_TE = rank_routing(cfg, source, layer, rank, ctx.device, need_probs=need_probs)
+            ids_TK, w_TK, probs_TE = rank_routing(spec, source, layer, rank, ctx.device, need_probs=need_probs)
             routing.append(transformed_routing(dispatcher, layer, probs_TE, ids_TK, w_TK))
         with peak_memory(ctx.device) as mem, stopwatch() as sw:
             world = plan_world(dispatcher, routing, shape, training=t.backward, backward=t.backward)
@@ -515,8 +504,8 @@ def _simulate(ctx, cfg_dict: dict) -> list:
                  row("planning_peak_memory", mem.peak, "bytes", layer=layer, phase="plan"),
                  row("planning_added_memory", max(mem.peak - mem.start, 0) if mem.peak >= 0 else -1, "bytes",
                      layer=layer, phase="plan")]
-        rows += layer_rows(cfg, world, routing, dispatcher.placement, layer)
-        twin = dynamic_twin(system_config(cfg.system).sized(T))
+        rows += layer_rows(spec, world, routing, dispatcher.placement, layer)
+        twin = dynamic_twin(system_config(spec.system).sized(T))
         if twin is not None:
             twin_world = plan_world(twin.build(ep, layer, m.num_experts), routing, shape, training=t.backward,
                                     backward=t.backward)
