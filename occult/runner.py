@@ -90,13 +90,19 @@ def run_trace_sha256(t) -> str:
     return trace_sha256(trace) if trace_file(trace).is_file() else ""
 
 
+# keys of the composed config that say where code lives, not what runs: left out of the hash,
+# and of a stored config compared with it (``task.schema``: the task's name says which task;
+# its class moved from occult.tasks.options into each task's module after results were written)
+NOT_SETTINGS = ("task.schema",)
+
+
 def run_hashed_config(cfg: DictConfig) -> dict:
     """The composed config as it is hashed (:func:`occult.records.hashed_config`); a task that
     runs no top-level system leaves ``system`` out (its compared systems are in the task)."""
     container = OmegaConf.to_container(cfg, resolve=True)
     if not task_config(cfg.task).uses_system:
         container.pop("system", None)
-    return hashed_config(container)
+    return {k: v for k, v in hashed_config(container).items() if k not in NOT_SETTINGS}
 
 
 def already_done(out_dir: Path, hashed: dict) -> bool:
@@ -110,7 +116,7 @@ def already_done(out_dir: Path, hashed: dict) -> bool:
     if stored is None:
         raise ConfigError(f"{out_dir} holds results without a record of their config (written by an older "
                           f"version); {how}")
-    diff = config_diff(stored["config"], hashed)
+    diff = config_diff({k: v for k, v in stored["config"].items() if k not in NOT_SETTINGS}, hashed)
     if stored["config_hash"] == config_hash(hashed) or not diff:
         return True
     raise ConfigError(f"{out_dir} holds results of a different config ({'; '.join(diff)}); {how}")

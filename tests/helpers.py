@@ -100,10 +100,10 @@ class HostOnlyDispatcher(NaiveDispatcher):
 
 
 def run_tasks(ctx, jobs: list) -> dict:
-    """Each ``(label, entry, cfg_dict)`` of ``jobs``: the task's rank function on this rank;
+    """Each ``(label, entry, spec)`` of ``jobs``: the task's rank function on this rank;
     returns {label: number of rows}."""
     from occult.ep import import_object
-    return {label: len(import_object(entry)(ctx, cfg_dict)) for label, entry, cfg_dict in jobs}
+    return {label: len(import_object(entry)(ctx, spec)) for label, entry, spec in jobs}
 
 
 def backend_calls_at_one_rank(ctx):
@@ -130,18 +130,18 @@ def backend_calls_at_one_rank(ctx):
 
 
 def task_rows(ctx, jobs: list) -> dict:
-    """Each ``(label, entry, cfg_dict)`` of ``jobs``: the task's rank function on this rank;
+    """Each ``(label, entry, spec)`` of ``jobs``: the task's rank function on this rank;
     returns {label: its rows}."""
     from occult.ep import import_object
-    return {label: import_object(entry)(ctx, cfg_dict) for label, entry, cfg_dict in jobs}
+    return {label: import_object(entry)(ctx, spec) for label, entry, spec in jobs}
 
 
 def timed_tasks(ctx, jobs: list) -> dict:
     """:func:`run_tasks` with each job's seconds: {label: (rows, seconds)} (for profiling)."""
     from occult.ep import import_object
     out = {}
-    for label, entry, cfg_dict in jobs:
+    for label, entry, spec in jobs:
         t0 = time.perf_counter()
-        n = len(import_object(entry)(ctx, cfg_dict))
+        n = len(import_object(entry)(ctx, spec))
         out[label] = (n, time.perf_counter() - t0)
     return out

@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from occult.config import CONF_DIR, register
 from occult.dist import RankFailed, launch
 from occult.ep import import_object, system_config
 from occult.parity import LayerCase, run_grid
 from occult.placement import save_placements
-from occult.tasks.options import task_config
+from occult.runner import build_spec
 from occult.ep import Placement
 
 from static_helpers import STATIC_PROXIES, check_static_decode
@@ -38,17 +37,12 @@ TASKS = {"layer": [*TIMED, "task.tokens_per_rank=64"], "prefill": [*TEXT, *TIMED
 P = 2
 
 
-def _prepared(cfg, system: dict, out_dir: Path) -> dict:
-    """A composed config with ``system`` (a system's dict) in place of its own, prepared as
-    the runner prepares it, with its task's rank function under ``entry``."""
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    cfg_dict["system"] = {**system, **system_config(system).options()}
-    cfg_dict["out_dir_resolved"] = str(out_dir)
-    task = task_config(cfg.task)
-    if task.prepare:
-        cfg_dict = import_object(task.prepare)(cfg_dict)
-    cfg_dict["entry"] = task.entry
-    return cfg_dict
+def _prepared(cfg, system: dict, out_dir: Path):
+    """The run spec of a composed config with ``system`` (a system's dict) in place of its
+    own, prepared as the runner prepares it."""
+    spec = build_spec(cfg, out_dir, "d").replace(system=system_config(system))
+    task = spec.task
+    return import_object(task.prepare)(spec) if task.prepare else spec
 
 
 def every_job(tmp_path: Path) -> list:
@@ -110,8 +104,8 @@ def every_job(tmp_path: Path) -> list:
 
 
 def _entry_and_cfg(cfg, system: dict, out_dir: Path) -> tuple:
-    cfg_dict = _prepared(cfg, system, out_dir)
-    return cfg_dict["entry"], cfg_dict
+    spec = _prepared(cfg, system, out_dir)
+    return spec.task.entry, spec
 
 
 @pytest.mark.timeout(600)

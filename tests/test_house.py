@@ -192,13 +192,13 @@ def test_misspelt_or_mistyped_system_options_fail_at_compose_time():
 def test_run_ids_are_unique_per_config_and_name_the_options():
     """The pruning budgets 1, 2, 4 have distinct run_ids (they shared one before); the rows
     carry the system's options, so analysis needs no .hydra file."""
-    from occult.runner import run_context
+    from occult.runner import build_spec, run_context
     from omegaconf import OmegaConf
     ids = set()
     for budget in (1, 2, 4):
         cfg = _cfg("experiment=fig7_pruning", "system=occult_prune_score", f"system.budget={budget}")
         digest = config_hash(hashed_config(OmegaConf.to_container(cfg, resolve=True)))
-        ctx = run_context(cfg, {}, digest)
+        ctx = run_context(build_spec(cfg, ".", digest))
         assert f'"budget": {budget}' in ctx["system_options"] and ctx["init"] == "random"
         ids.add(ctx["run_id"])
     assert len(ids) == 3
@@ -367,8 +367,7 @@ def test_a_missing_proxy_is_announced_before_it_is_pre_trained(tmp_path, monkeyp
     import json
     import logging
 
-    from omegaconf import OmegaConf
-
+    from occult.runner import build_spec
     from occult.tasks import model as model_task
     from occult.tasks import pretrain
 
@@ -386,13 +385,13 @@ def test_a_missing_proxy_is_announced_before_it_is_pre_trained(tmp_path, monkeyp
     monkeypatch.setattr(pretrain, "pretrain", fake_pretrain)
     cfg = _cfg("task=prefill", "model=olmoe_proxy", "model.top_k=2")
     with caplog.at_level(logging.INFO, logger="occult"):
-        cfg_dict = model_task.prepare(OmegaConf.to_container(cfg, resolve=True))
+        spec = model_task.prepare(build_spec(cfg, ".", "d"))
     (line,) = [m for m in said[0] if m.startswith("pre-training")]
     assert "model=olmoe_proxy (top_k=2, E=64)" in line and "cache key olmoe_proxy-0123456789" in line
     assert "expected about 5 min here" in line and "experiment=fig3_lcc" in line
-    assert cfg_dict["setup_done"] == ["pre-trained olmoe_proxy"]
-    again = model_task.prepare(OmegaConf.to_container(cfg, resolve=True))      # cached now: no set-up
-    assert "setup_done" not in again and len(said) == 1
+    assert spec.setup_done == ("pre-trained olmoe_proxy",)
+    again = model_task.prepare(build_spec(cfg, ".", "d"))      # cached now: no set-up
+    assert again.setup_done == () and len(said) == 1
 
 
 def test_the_time_left_leaves_out_points_that_ran_one_off_set_up(monkeypatch, caplog):

@@ -199,7 +199,7 @@ def test_the_layer_tasks_eplb_placement_is_built_from_a_profiling_draw_and_writt
     from types import SimpleNamespace
 
     from occult.runner import build_spec
-    from occult.tasks.layer import rank_workload, task_placement
+    from occult.tasks.one_layer import rank_workload, task_placement
     cfg = cfg_with("task=layer", "model=olmoe_layer", "cluster=cpu4", "task.routing=imbalance",
                    "task.placement=eplb", "task.num_redundant=8")
     cfg = build_spec(cfg, tmp_path, "d")

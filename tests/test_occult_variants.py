@@ -260,7 +260,7 @@ def test_a_placed_adaptive_base_and_a_pruned_system_are_gated_with_their_placeme
     differs from the contiguous run, the parity gate passes on that placement); a pruned
     run is gated with its identity switch (prune=false): parity_checked 1, not 0."""
     import helpers
-    from occult.tasks.options import task_config
+    from occult.runner import build_spec
 
     P, E = 2, 8
     path = tmp_path / "pl.json"
@@ -277,8 +277,8 @@ def test_a_placed_adaptive_base_and_a_pruned_system_are_gated_with_their_placeme
     assert placement.groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
     jobs = []
     for label, cfg in configs.items():
-        cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-        jobs.append((label, task_config(cfg.task).entry, cfg_dict))
+        spec = build_spec(cfg, tmp_path, "d")
+        jobs.append((label, spec.task.entry, spec))
     rows = launch(helpers.task_rows, P, (jobs,), timeout_s=200)[0]
 
     def values(label, metric):

@@ -94,7 +94,7 @@ def test_a_synthetic_source_is_drawn_once_and_resampled_for_a_larger_world():
 def test_sampled_layers_are_evenly_spaced():
     from omegaconf import OmegaConf
 
-    from occult.tasks.simulate import task_layers
+    from occult.tasks.world import task_layers
     model = OmegaConf.create({"first_k_dense": 3, "num_layers": 61})
     assert task_layers(model, 0) == list(range(3, 61))
     assert task_layers(model, 1) == [32] and task_layers(model, 2) == [3, 60] and task_layers(model, 3) == [3, 32, 60]

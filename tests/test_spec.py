@@ -127,3 +127,56 @@ def test_the_default_check_finds_each_kind_of_read():
            "    g = t.get('lr', 1.0)\n")
     assert [call for _, call in defaulted_reads(src, fields)] == [
         "t.get('microbatches', 1)", "getattr(t, 'grad_sync', 'end')", "m.pop('microbatches', None)"]
+
+
+def test_a_run_stored_with_the_schemas_old_home_resumes(tmp_path):
+    """``task.schema`` says where a task's class lives, not what runs: not hashed, and a run
+    folder whose stored config names the old ``occult.tasks.options`` class is the same run
+    (skipped on resume); a real difference still refuses."""
+    from occult.errors import ConfigError
+    from occult.records import RESULTS_FILE, write_run_config
+    from occult.runner import already_done, run_hashed_config
+    from test_task_options import cfg_with
+
+    hashed = run_hashed_config(cfg_with("task=prefill", "model=olmoe_proxy"))
+    assert "task.schema" not in hashed and hashed["task.name"] == "prefill"
+    write_run_config(tmp_path, {**hashed, "task.schema": "occult.tasks.options.PrefillTask"})
+    (tmp_path / RESULTS_FILE).write_bytes(b"")
+    assert already_done(tmp_path, hashed)
+    with pytest.raises(ConfigError, match="task.iters"):
+        already_done(tmp_path, {**hashed, "task.iters": 7})
+
+
+# ---------------------------------------------------------------------------
+# tasks shaped like systems: a module per task, none importing another
+# ---------------------------------------------------------------------------
+
+
+def task_modules() -> dict:
+    """``{task name: the module of its schema}`` (each task module nests its ``Config``)."""
+    return {name: _schema(name).__module__ for name in TASKS}
+
+
+def task_imports(module: str, source: str) -> set:
+    """The task modules ``source`` (of ``module``) imports, lazily too, itself left out."""
+    from test_imports import imports_of
+
+    mine = set(task_modules().values()) - {module}
+    return {m for m in imports_of(module, source) if m in mine}
+
+
+def test_each_task_is_a_module_with_its_config_and_no_task_module_imports_another():
+    modules = task_modules()
+    bad = []
+    for name, module in modules.items():
+        schema = _schema(name)
+        assert schema.__qualname__ == "Config" and schema.entry == f"{module}.run", (name, schema)
+        source = (ROOT / (module.replace(".", "/") + ".py")).read_text()
+        bad += [f"{module} -> {m}" for m in sorted(task_imports(module, source))]
+    assert not bad, "task modules importing other task modules:\n" + "\n".join(bad)
+    assert len(set(modules.values())) == len(modules)            # one module per task
+
+
+def test_the_task_import_check_finds_an_arrow_put_back():
+    assert task_imports("occult.tasks.bench", "def f():\n    from .layer import run\n") == {"occult.tasks.layer"}
+    assert task_imports("occult.tasks.bench", "from .one_layer import build_layer\n") == set()

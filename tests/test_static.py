@@ -13,14 +13,13 @@ CUDA graphs without CUDA or on a dynamic dispatch).
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from occult.config import CONF_DIR, register
 from occult.dist import launch
 from occult.ep import EPGroup, MoELayer, Placement, Recorder, import_object, system_config
 from occult.ep.experts import init_expert_weights
 from occult.parity import LayerCase
-from occult.tasks.options import task_config
+from occult.runner import build_spec
 from occult.validate import ConfigError, validate
 
 from static_helpers import INJECTIONS, NAIVE, OCCULT, STATIC_PROXIES, check_static_decode
@@ -173,11 +172,9 @@ def _decode_job(model: str, system: str, static: bool, tmp_path) -> tuple:
     cfg = cfg_with("task=decode", f"model={model}", f"cluster=cpu{P}", f"system={system}", *TINY,
                    *(["system.dispatch_mode=static"] if static else []))
     validate(cfg)
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    cfg_dict["out_dir_resolved"] = str(tmp_path)
-    task = task_config(cfg.task)
-    cfg_dict = import_object(task.prepare)(cfg_dict)
-    return f"{model}/{system}/{'static' if static else 'dynamic'}", task.entry, cfg_dict
+    spec = build_spec(cfg, tmp_path, "d")
+    spec = import_object(spec.task.prepare)(spec)
+    return f"{model}/{system}/{'static' if static else 'dynamic'}", spec.task.entry, spec
 
 
 @pytest.mark.slow

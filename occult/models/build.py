@@ -80,6 +80,22 @@ def hf_config(m, vocab_size: Optional[int] = None):
     return fam.config_class()(**kw)
 
 
+class RouterTap:
+    """Forward hooks on every MoE block's router: keeps (logits_TE, topk_ids_TK, topk_weights_TK)
+    per call (the gate's own output)."""
+
+    def __init__(self, model, family):
+        self.calls = []
+        self.handles = [block.gate.register_forward_hook(self._hook) for _, _, block in moe_blocks(model, family)]
+
+    def _hook(self, module, inputs, output):
+        self.calls.append((output[0], output[2], output[1]))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
 def init_model(family: Family, config, seed: int) -> nn.Module:
     """The family's causal LM with seeded random weights, float32, on the host, in eval mode."""
     torch.manual_seed(seed)

@@ -38,7 +38,7 @@ from ..memory import saved_activation_bytes
 from ..records import config_hash, row
 from ..spec import RunSpec
 from .common import comm_rows, model_parity_gate, parity_gate, routing_rows
-from .layer import build_layer, make_inputs, time_iteration
+from .one_layer import build_layer, make_inputs, time_iteration
 from .options import workload_task
 
 

@@ -56,7 +56,7 @@ def routed_prepare(spec: RunSpec) -> RunSpec:
         return spec.replace(checkpoint=None)
     if not spec.task.routers:
         return prepare(spec)
-    from .simulate import routers_spec
+    from .world import routers_spec
     prepared = prepare(routers_spec(spec))       # the routers' model: its checkpoint
     return spec.replace(checkpoint=prepared.checkpoint, setup_done=prepared.setup_done)
 
@@ -98,7 +98,7 @@ def task_placements(ctx, spec, model, tok) -> dict:
     if t == "contiguous":
         return {}
     from ..placement.eplb import load_slot_placements, save_slot_placements
-    from .layer import expert_groups, slot_placements_of
+    from .one_layer import expert_groups, slot_placements_of
     if t not in ("eplb", "eplb_affinity"):
         return load_slot_placements(t)[0]
     from ..models.families import family_of

@@ -621,10 +621,10 @@ SIMULATED_ROUTINGS = ("router", "trace", "uniform", "zipf")
 @dataclass
 class RoutedWorld(TaskConf):
     """The routing of a world that is not here (``cluster.world_size`` ranks), for the tasks
-    that compute it in one process (:mod:`occult.tasks.simulate`): the model's routers on
+    that compute it in one process (:mod:`occult.tasks.world`): the model's routers on
     ``source_tokens`` tokens of held-out text (``router``), a run's routing trace (``trace``:
     the run folder in ``trace``), or synthetic (``uniform``, ``zipf``); ``sample_layers``:
-    how many MoE layers to compute (0: every one; :func:`occult.tasks.simulate.task_layers`);
+    how many MoE layers to compute (0: every one; :func:`occult.tasks.world.task_layers`);
     ``routers``: route with another model's routers (a trained proxy of a full config that
     has none here); ``total_tokens``: the world's tokens (strong
     scaling; 0: ``tokens_per_rank`` on every rank)."""
@@ -680,7 +680,7 @@ class RoutedWorld(TaskConf):
         return out
 
     def check_run(self, cfg) -> None:
-        from .simulate import check_source
+        from .world import check_source
         check_source(self, cfg)
 
     def columns(self, world_size: int) -> Dict[str, Any]:

@@ -33,7 +33,7 @@ from ..ep.placement import Placement
 from ..placement import load_max_over_mean, optimise, save_placements
 from ..records import row
 from ..spec import RunSpec
-from .simulate import one_thread, rank_routing, task_layers, world_source
+from .world import one_thread, rank_routing, task_layers, world_source
 
 ARTIFACT = "placements.json"
 # the synthetic stream a placement is made from (simulate draws stream 0)

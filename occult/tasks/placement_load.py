@@ -41,7 +41,7 @@ from ..ep.plan import RowShape, plan_world
 from ..ep.replica_rules import REPLICA_POLICIES
 from ..records import row
 from ..spec import RunSpec
-from .simulate import one_thread, rank_routing, task_layers, world_source
+from .world import one_thread, rank_routing, task_layers, world_source
 
 SYSTEMS = {"naive": "baselines.naive.NaiveDispatcher", "occult": "occult.collab.dispatcher.OccultDispatcher"}
 OPTIMISED = ("random", "greedy", "swap_search")
@@ -84,7 +84,7 @@ def layer_placements(cfg, prof_NK: torch.Tensor, devices_per_node: int) -> dict:
     from ..placement import optimise
     from ..placement.affinity import affinity_placements
     from ..placement.eplb import eplb_placements
-    from .layer import expert_groups
+    from .one_layer import expert_groups
 
     t, m, P = cfg.task, cfg.model, cfg.cluster.world_size
     E, G = m.num_experts, expert_groups(m)          # G: the model's expert groups (EPLB's)

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from ..data.batches import batch_iterator, token_ids, unigram_loss
 from ..data.tokenizer import get_tokenizer
-from ..models.build import hf_config, init_model, moe_blocks, save_checkpoint
+from ..models.build import RouterTap, hf_config, init_model, moe_blocks, save_checkpoint
 from ..models.families import family_of, gate_rule
 from ..records import row
 from ..schemas import ModelConf, PretrainConf, field_default, typed
@@ -67,22 +67,6 @@ def proxy_dir(cfg) -> Path:
     key = json.dumps({"arch": arch, "train": train,
                       "seed": cfg.seed, "version": PRETRAIN_VERSION}, sort_keys=True)
     return ROOT / "runs" / "cache" / "proxies" / f"{m['name']}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
-
-
-class RouterTap:
-    """Forward hooks on every MoE block's router: keeps (logits_TE, topk_ids_TK, topk_weights_TK)
-    per call (the gate's own output)."""
-
-    def __init__(self, model, family):
-        self.calls = []
-        self.handles = [block.gate.register_forward_hook(self._hook) for _, _, block in moe_blocks(model, family)]
-
-    def _hook(self, module, inputs, output):
-        self.calls.append((output[0], output[2], output[1]))
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
 
 
 def balance_loss(calls, num_experts: int) -> torch.Tensor:

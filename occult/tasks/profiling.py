@@ -27,8 +27,7 @@ def route_text(model, family, ids_N: torch.Tensor, num_tokens: int, seq_len: int
     (seeded) of ``ids_N``: ``{layer: (topk_ids_NK, topk_weights_NK, logits_NE)}``, the gates'
     own output (the ids and weights its MoE blocks would run with), float32 on the host."""
     from ..data.batches import batch_iterator
-    from ..models.build import moe_blocks
-    from .pretrain import RouterTap
+    from ..models.build import RouterTap, moe_blocks
 
     layers = [i for i, _, _ in moe_blocks(model, family)]
     windows = max(1, -(-num_tokens // seq_len))
