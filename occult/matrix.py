@@ -27,6 +27,7 @@ import itertools
 import random
 import sys
 from dataclasses import dataclass
+from functools import cache
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from .config import read_conf
@@ -193,15 +194,26 @@ def cases(seed: int = SEED, candidates: int = 40) -> List[dict]:
     return out
 
 
-DEFAULTS = {"task": "prefill", "dispatch_mode": "dynamic", "microbatches": 1, "grad_sync": "end",
-            "placement": "contiguous", "replica_rule": NO_RULE, "payload": "fp32", "migration": False,
-            "shortcut": False}
+@cache
+def defaults() -> dict:
+    """The matrix's default case: every axis at the default its schema declares (the train
+    task's schedule, placement and migration; a static-capable system's dispatch mode; a
+    compressing system's payload), prefill, no replica rule, no shortcut."""
+    from .ep.static import StaticConfig
+    from .ep.system import PayloadConfig
+    from .schemas import field_default
+
+    train = read_conf("task", "train")
+    return {"task": "prefill", "dispatch_mode": field_default(StaticConfig, "dispatch_mode"),
+            "microbatches": train.microbatches, "grad_sync": train.grad_sync, "placement": train.placement,
+            "replica_rule": NO_RULE, "payload": field_default(PayloadConfig, "payload"),
+            "migration": train.migration, "shortcut": False}
 
 
 def first_case(system: str) -> dict:
     """The default run's case of ``system``: training (forward and backward), the defaults
     otherwise, micro-batches where the record allows them."""
-    case = {"system": system, **DEFAULTS, "task": "train"}
+    case = {"system": system, **defaults(), "task": "train"}
     if not refusal({**case, "microbatches": 2}):
         case["microbatches"] = 2
     assert not refusal(case), (system, refusal(case))
@@ -212,7 +224,7 @@ def pair_case(pair: Pair) -> dict:
     """A combination holding ``pair``, the defaults elsewhere (the system's default run case
     when the pair names a system): what the refused-pair check validates."""
     (a, v), (b, w) = pair
-    case = {"system": "naive", **DEFAULTS}
+    case = {"system": "naive", **defaults()}
     case.update({a: v, b: w})
     return case
 
@@ -230,17 +242,18 @@ def overrides(case: dict) -> List[str]:
            f"model={'scmoe_proxy' if case['shortcut'] else 'olmoe_proxy'}", f"cluster=cpu{P}"]
     if G:
         out.append(f"cluster.devices_per_node={G}")
-    if case["dispatch_mode"] != "dynamic":
+    default = defaults()
+    if case["dispatch_mode"] != default["dispatch_mode"]:
         out.append(f"system.dispatch_mode={case['dispatch_mode']}")
     if case["replica_rule"] != NO_RULE:
         out.append(f"system.replica_policy={case['replica_rule']}")
-    if case["payload"] != "fp32":
+    if case["payload"] != default["payload"]:
         out.append(f"system.payload={case['payload']}")
-    if case["microbatches"] != 1:
+    if case["microbatches"] != default["microbatches"]:
         out.append(f"task.microbatches={case['microbatches']}")
-    if case["grad_sync"] != "end":
+    if case["grad_sync"] != default["grad_sync"]:
         out.append(f"task.grad_sync={case['grad_sync']}")
-    if case["placement"] != "contiguous":
+    if case["placement"] != default["placement"]:
         out += ["task.placement=eplb", "task.num_redundant=4"]
     if case["migration"]:
         out.append("task.migration=true")
