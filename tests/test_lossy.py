@@ -105,7 +105,7 @@ def test_luffy_refuses_training_at_threshold_1_in_one_line():
     from test_task_options import cfg_with, spec_of
 
     from occult.config import CONF_DIR
-    from occult.tasks.bench import prepare
+    from occult.tasks.compare import prepare
     from occult.validate import validate
     with pytest.raises(ConfigError) as err:
         validate(cfg_with("task=train", "model=olmoe_proxy", "system=luffy", "system.threshold=1.0"))

@@ -159,7 +159,7 @@ def simulated_rows(*overrides) -> pd.DataFrame:
     from occult.dist import RankContext
     from occult.ep.comm import EPGroup
     from occult.runner import build_spec
-    from occult.tasks.simulate import run_rank
+    from occult.tasks.simulate import run as run_rank
     spec = build_spec(simulate_cfg(*overrides), ".", "d")
     return pd.DataFrame(run_rank(RankContext(0, 1, EPGroup(), 0), spec))
 

@@ -141,7 +141,7 @@ def test_the_workload_names_are_the_workloads():
 
 
 def test_a_compared_system_takes_options_and_names_a_bad_one():
-    from occult.tasks.bench import compared_system
+    from occult.tasks.compare import compared_system
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         occult = compared_system({"name": "occult", "kernels": "epd"}, 1)
         assert occult["kernels"] == "epd" and occult["_target_"].endswith("OccultDispatcher")

@@ -64,7 +64,7 @@ def simulated_traffic(run_dir: Path, backward: bool) -> dict:
     on the run's own routing trace, in this process: its traffic rows."""
     from occult.dist import RankContext
     from occult.ep.comm import EPGroup
-    from occult.tasks.simulate import run_rank
+    from occult.tasks.simulate import run as run_rank
     from test_task_options import spec_of
 
     spec = spec_of("model=olmoe_proxy", "system=occult", "cluster=cpu2", "task=simulate", "task.routing=trace",
@@ -131,7 +131,7 @@ def test_reference_system_trains_like_expert_parallel_naive(tmp_path):
 
 def test_bench_turns_reverse_the_order_every_other_sample():
     """The compared systems run as listed in warm-up and even samples, reversed in odd ones."""
-    from occult.tasks.bench import turns
+    from occult.tasks.compare import turns
     assert [turns(2, s) for s in (-1, 0, 1, 2, 3)] == [[0, 1], [0, 1], [1, 0], [0, 1], [1, 0]]
     assert turns(3, 1) == [2, 1, 0] and turns(1, 1) == [0]
 

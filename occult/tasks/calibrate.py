@@ -7,7 +7,7 @@ from __future__ import annotations
 from .loopback import RANK_BYTES, calibration_rows
 
 
-def run_rank(ctx, spec) -> list:
+def run(ctx, spec) -> list:
     """Task entry (``task=calibrate``): the calibration as a sweep point (``task.iters``
     timed calls per size, at least 3: :class:`occult.tasks.options.CalibrateTask` checks it)."""
     if ctx.world_size < 2:

@@ -129,7 +129,7 @@ def eval_corpora(cfg) -> list:
     return list(dict.fromkeys([cfg.pretrain.corpus, cfg.task.corpus]))
 
 
-def run_rank(ctx, spec: RunSpec) -> list:
+def run(ctx, spec: RunSpec) -> list:
     """task=finetune on one rank: fine-tune the MoE weights, then evaluate both domains."""
     t = spec.task
     fam = family_of(spec.model.family)

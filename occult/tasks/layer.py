@@ -20,7 +20,7 @@ from .common import comm_rows, parity_gate, routing_rows
 from .one_layer import build_layer, make_inputs, task_placement, time_iteration
 
 
-def run_rank(ctx, spec: RunSpec) -> list:
+def run(ctx, spec: RunSpec) -> list:
     """One rank's part of task=layer; returns its result rows."""
     t = spec.task
     rows = []

@@ -1,4 +1,5 @@
-"""Whole-model tasks on every system: prefill, decode and train.
+"""What the whole-model tasks run on every system (task=prefill, decode and train, and
+task=bench_model's workloads; task=finetune and placement_study set their models up here too).
 
 Every rank serves its own sequences (the batch is per rank); under expert
 parallelism the MoE layers exchange tokens, everything else is replicated.
@@ -319,18 +320,3 @@ def run_workload(ctx, spec: RunSpec, workload: str) -> list:
     for sample in _iterations(ctx, spec.task, rec):
         rows += work.step(rec, sample)
     return _finish(ctx, spec, rec, rows, model)
-
-
-def prefill_rank(ctx, spec: RunSpec) -> list:
-    """task=prefill: one forward over B prompts of S tokens; time to first token."""
-    return run_workload(ctx, spec, "prefill")
-
-
-def decode_rank(ctx, spec: RunSpec) -> list:
-    """task=decode: greedy generation of N tokens with a KV cache after a prompt."""
-    return run_workload(ctx, spec, "decode")
-
-
-def train_rank(ctx, spec: RunSpec) -> list:
-    """task=train: forward, backward, gradient synchronisation and an AdamW step."""
-    return run_workload(ctx, spec, "train")

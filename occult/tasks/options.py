@@ -369,7 +369,7 @@ class LayerTask(Timed, Gated, Exchanges, Placed, LayerInputs):
     backward: bool = True
     calibrate: bool = False             # measure the world's loopback first (the cost-model check)
 
-    entry: ClassVar[str] = "occult.tasks.layer.run_rank"
+    entry: ClassVar[str] = "occult.tasks.layer.run"
     expert_parallel_only: ClassVar[bool] = True
 
 
@@ -392,8 +392,8 @@ class BenchTask(Timed, Gated, Exchanges, LayerInputs, Compared):
     """task=bench: systems side by side on one MoE layer, forward and backward
     (:mod:`occult.tasks.bench`)."""
 
-    entry: ClassVar[str] = "occult.tasks.bench.run_rank"
-    prepare: ClassVar[str] = "occult.tasks.bench.prepare"
+    entry: ClassVar[str] = "occult.tasks.bench.run"
+    prepare: ClassVar[str] = "occult.tasks.compare.prepare"
     expert_parallel_only: ClassVar[bool] = True
 
 
@@ -428,7 +428,7 @@ class PrefillTask(Timed, Gated, Placed, MicroBatched, HeldOut, Migrated):
 
     save_routing: bool = False          # write routing.parquet (+ router logits)
 
-    entry: ClassVar[str] = "occult.tasks.model.prefill_rank"
+    entry: ClassVar[str] = "occult.tasks.prefill.run"
     prepare: ClassVar[str] = "occult.tasks.model.prepare"
     whole_model: ClassVar[bool] = True
 
@@ -442,7 +442,7 @@ class DecodeTask(PrefillTask):
     new_tokens: int = 16
     cuda_graph: bool = False
 
-    entry: ClassVar[str] = "occult.tasks.model.decode_rank"
+    entry: ClassVar[str] = "occult.tasks.decode.run"
 
     def call_tokens(self) -> int:
         """A decode step's B (its prompt runs the dynamic dispatch)."""
@@ -499,7 +499,7 @@ class TrainTask(Timed, Gated, Placed, MicroBatched, Migrated):
         if self.grad_sync not in GRAD_SYNCS:
             raise ConfigError(f"task.grad_sync={self.grad_sync!r}: allowed values are {list(GRAD_SYNCS)}")
 
-    entry: ClassVar[str] = "occult.tasks.model.train_rank"
+    entry: ClassVar[str] = "occult.tasks.train.run"
     prepare: ClassVar[str] = "occult.tasks.model.prepare"
     whole_model: ClassVar[bool] = True
 
@@ -529,8 +529,8 @@ class BenchModelTask(Timed, Gated, Exchanges, Text, HeldOut, Compared):
     new_tokens: int = 16                # workload=decode
     lr: float = 1e-3                    # workload=train
 
-    entry: ClassVar[str] = "occult.tasks.bench.model_rank"
-    prepare: ClassVar[str] = "occult.tasks.bench.prepare"
+    entry: ClassVar[str] = "occult.tasks.bench_model.run"
+    prepare: ClassVar[str] = "occult.tasks.compare.prepare"
     whole_model: ClassVar[bool] = True
 
     def check(self) -> None:
@@ -561,7 +561,7 @@ class FinetuneTask(Gated, Text, HeldOut):
     tokens_per_rank: int = 4096
     timing_iters: int = 0
 
-    entry: ClassVar[str] = "occult.tasks.finetune.run_rank"
+    entry: ClassVar[str] = "occult.tasks.finetune.run"
     prepare: ClassVar[str] = "occult.tasks.finetune.prepare"
     whole_model: ClassVar[bool] = True
     expert_parallel_only: ClassVar[bool] = True
@@ -593,7 +593,7 @@ class PlacementStudyTask(Gated, HeldOut):
     load_caps: List[Optional[float]] = field(default_factory=lambda: [None, 1.25, 1.15, 1.1])
     swap_time_limit_s: float = 10.0
 
-    entry: ClassVar[str] = "occult.tasks.placement_study.run_rank"
+    entry: ClassVar[str] = "occult.tasks.placement_study.run"
     prepare: ClassVar[str] = "occult.tasks.model.prepare"
     whole_model: ClassVar[bool] = True
     expert_parallel_only: ClassVar[bool] = True
@@ -707,7 +707,7 @@ class SimulateTask(RoutedWorld):
     backward: bool = True
     peer_rows: bool = True
 
-    entry: ClassVar[str] = "occult.tasks.simulate.run_rank"
+    entry: ClassVar[str] = "occult.tasks.simulate.run"
 
 
 @dataclass
@@ -725,7 +725,7 @@ class PlaceTask(RoutedWorld):
     load_cap: Optional[float] = 1.25
     time_limit_s: float = 10.0
 
-    entry: ClassVar[str] = "occult.tasks.place.run_rank"
+    entry: ClassVar[str] = "occult.tasks.place.run"
     uses_system: ClassVar[bool] = False          # it places experts; no system runs
 
     def check(self) -> None:
@@ -762,7 +762,7 @@ class PlacementLoadTask(RoutedWorld):
     time_limit_s: float = 2.0
     affinity_weight: float = 0.25
 
-    entry: ClassVar[str] = "occult.tasks.placement_load.run_rank"
+    entry: ClassVar[str] = "occult.tasks.placement_load.run"
     uses_system: ClassVar[bool] = False          # it plans naive and occult itself
 
     def check(self) -> None:
@@ -805,7 +805,7 @@ class CalibrateTask(TaskConf):
 
     iters: int = 8
 
-    entry: ClassVar[str] = "occult.tasks.calibrate.run_rank"
+    entry: ClassVar[str] = "occult.tasks.calibrate.run"
     uses_system: ClassVar[bool] = False
 
     def check(self) -> None:
@@ -818,7 +818,7 @@ class PretrainTask(TaskConf):
     """task=pretrain: pre-train a CPU proxy (one process; its settings are the top-level
     ``pretrain`` fields) and cache it (:mod:`occult.tasks.pretrain`)."""
 
-    entry: ClassVar[str] = "occult.tasks.pretrain.run_rank"
+    entry: ClassVar[str] = "occult.tasks.pretrain.run"
     whole_model: ClassVar[bool] = True
     uses_system: ClassVar[bool] = False
 

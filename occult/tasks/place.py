@@ -57,7 +57,7 @@ def layer_rows(layer: int, optimiser: str, ids_WK: torch.Tensor, placed: Placeme
     return out
 
 
-def run_rank(ctx, spec: RunSpec) -> list:
+def run(ctx, spec: RunSpec) -> list:
     """Every layer's placement for the simulated world, on this one process; returns its rows."""
     with one_thread():
         return _place(ctx, spec)

@@ -187,7 +187,7 @@ def arm_rows(shape: RowShape, dims: dict, ep: EPGroup, arm: tuple, ev_NK: torch.
     return out + peer_rows(world, P, dims["G"], label, layer)
 
 
-def run_rank(ctx, spec: RunSpec) -> list:
+def run(ctx, spec: RunSpec) -> list:
     """The whole front on this one process, at one intra-op thread; returns its rows."""
     with one_thread():
         return _front(ctx, spec)

@@ -114,7 +114,7 @@ def run_jobs(ctx, jobs: list, profile_ids: dict, held_ids: dict, held_home: torc
     return out
 
 
-def run_rank(ctx, spec: RunSpec) -> list:
+def run(ctx, spec: RunSpec) -> list:
     """task=placement_study on one rank (see the module docstring); rank 0 writes the outputs."""
     E = spec.model.num_experts
     t0 = clock()

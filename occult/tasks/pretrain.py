@@ -240,7 +240,7 @@ def ensure_trained(cfg, progress: bool = True) -> Path:
     return out
 
 
-def run_rank(ctx, spec: RunSpec) -> list:
+def run(ctx, spec: RunSpec) -> list:
     """task=pretrain (one process): trains (or finds) the proxy; rows with its figures."""
     if ctx.world_size != 1:
         raise ValueError(f"task=pretrain trains on one process; use cluster=cpu1 (got world size {ctx.world_size})")

@@ -150,14 +150,14 @@ def node_ct_rows(ids: list, placement, home: list, devices_per_node: int, layer:
     return out
 
 
-def run_rank(ctx, spec: RunSpec) -> list:
+def run(ctx, spec: RunSpec) -> list:
     """The whole simulated world on this one process, at one intra-op thread; returns its rows."""
     with one_thread():
         return _simulate(ctx, spec)
 
 
 def _simulate(ctx, spec: RunSpec) -> list:
-    """:func:`run_rank`'s work: every MoE layer's routing, world plan and rows."""
+    """:func:`run`'s work: every MoE layer's routing, world plan and rows."""
     m, t, c = spec.model, spec.task, spec.cluster
     ep = EPGroup(0, c.world_size, None, str(ctx.device), c.devices_per_node)    # never started: nothing is sent
     shape = RowShape(m.hidden_size, m.expert_ffn_size, getattr(torch, m.dtype))

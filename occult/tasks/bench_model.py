@@ -1,0 +1,54 @@
+"""task=bench_model: systems side by side on a whole model in one world.
+
+    python run.py task=bench_model model=olmoe_proxy task.workload=train 'task.compare=[naive,occult]'
+
+A whole model (a trained proxy) on ``task.workload`` (prefill, decode or train: that task's
+own iterations, :mod:`occult.tasks.model`, run with that task's config built from this one's
+fields, :func:`occult.tasks.schema.workload_task`), one rank model per system of
+``task.compare`` from the same weights (:mod:`occult.tasks.compare`). Every system is first
+checked against the single-device reference; then the systems' iterations alternate.
+"""
+from __future__ import annotations
+
+import copy
+
+from ..ep import Recorder
+from ..ep.measure import barrier, iterations
+from ..ep.static import times_by_marks
+from ..spec import RunSpec
+from .common import model_parity_gate, parity_gate
+from .compare import model_replay_rows, tagged, turns
+from .options import workload_task
+
+
+def run(ctx, spec: RunSpec) -> list:
+    """task=bench_model on every rank: parity per system, one rank model per system from
+    the same weights, then the systems' ``task.workload`` iterations alternating."""
+    from ..data.tokenizer import get_tokenizer
+    from ..models.runtime import base_model, make_rank_model
+    from .model import WORKLOADS, _finish
+
+    t, m = spec.task, spec.model
+    work_spec = spec.replace(task=workload_task(t, t.workload))        # what each system's workload runs
+    tok = get_tokenizer(spec.pretrain.tokenizer_vocab, corpus=spec.pretrain.corpus)
+    base = base_model(spec, m.vocab_size or tok.vocab_size, spec.checkpoint, device=ctx.device)
+    works, recs, rows = [], [], []
+    for config in spec.compared:
+        rows.append(parity_gate(ctx, spec, config, "router") + model_parity_gate(ctx, work_spec, config)
+                    if t.check_parity and config.expert_parallel else [])
+        model = make_rank_model(ctx, copy.deepcopy(base), spec, system=config,
+                                tokens_per_rank=work_spec.task.call_tokens())
+        works.append(WORKLOADS[t.workload](ctx, work_spec, tok, model))
+        recs.append(Recorder(rank=ctx.rank, sync_collectives=t.sync_collectives, marks=times_by_marks(config)))
+    for sample in iterations(ctx.ep, t.warmup, t.iters):
+        for i in turns(len(works), sample):
+            recs[i].clear()
+            barrier(ctx.ep)
+            rows[i] += works[i].step(recs[i], sample)
+    replayed = model_replay_rows(ctx, works, t.iters) if ctx.world_size > 1 else [[] for _ in works]
+    base_id = f"{spec.experiment_name}/bench_model/{m.name}/{t.workload}/{spec.cluster.name}/{spec.run_digest}"
+    out = []
+    for i, config in enumerate(spec.compared):
+        rows_i = _finish(ctx, work_spec, recs[i], rows[i], works[i].model) + replayed[i]
+        out += tagged(rows_i, config, base_id, ctx.world_size)
+    return out
