@@ -486,7 +486,7 @@ class PlacementStudyTask(Gated, HeldOut):
     corpus: str = "shakespeare"
     seq_len: int = 128
     tokens_per_rank: int = 1024
-    held_out_tokens: Optional[int] = None
+    held_out_tokens: Optional[int] = later(None)
     # the optimisers (occult.placement) run at every load cap (null: none; max / mean device
     # load on the profiling set), and swap_search's time limit per (layer, cap)
     optimisers: List[str] = later(["contiguous", "random", "greedy", "swap_search"])
