@@ -21,6 +21,7 @@ The YAML files under ``conf/`` fill these in. Every group has its schema:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
@@ -29,8 +30,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from . import CONF_DIR
-from .schemas import ClusterConf, ModelConf, PretrainConf
+from .columns import columns_of, later_keys_of
 from .ep.links import ProfileConf  # noqa: F401 - the profile group's schema, with the reader below systems
+from .schemas import ClusterConf, ModelConf, PretrainConf
 
 
 @dataclass
@@ -130,6 +132,32 @@ def _task_schema_of(path: Path):
         return task_schema((yaml.safe_load(path.read_text()) or {}).get("schema", ""))
     except ConfigError:
         return None
+
+
+def schemas(conf_dirs: Sequence[Path] = ()) -> dict:
+    """``{group: [schema class, ...]}`` of the run's groups: the cluster's and the model's
+    schemas, every system's and every task's (of ``conf/`` and ``conf_dirs``; one that cannot
+    be imported is left out, as validation reports it)."""
+    dirs = [CONF_DIR, *conf_dirs]
+    found = {"system": [_schema_of(p) for p in system_yamls(dirs).values()],
+             "task": [_task_schema_of(p) for p in group_yamls(dirs, "task").values()]}
+    return {"cluster": [ClusterConf], "model": [ModelConf],
+            **{group: list(dict.fromkeys(c for c in classes if c is not None)) for group, classes in found.items()}}
+
+
+@cache
+def later_keys() -> dict:
+    """``{"<group>.<field>": value}``: the keys added after results were first written, each
+    with the value configs held before it (the fields' declarations, :mod:`occult.columns`,
+    over :func:`schemas`): a config at that value hashes as one without the key."""
+    return later_keys_of(schemas())
+
+
+@cache
+def setting_columns() -> dict:
+    """``{column: (group, absent value)}``: the schema fields declared as columns of every
+    results row (:mod:`occult.columns`, over :func:`schemas`)."""
+    return columns_of(schemas())
 
 
 def register(conf_dirs: Sequence[Path] = ()) -> None:

@@ -12,6 +12,8 @@ from typing import Any, Dict, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from .columns import later
+
 
 @dataclass
 class ModelConf:
@@ -84,10 +86,10 @@ class ClusterConf:
     # ranks per node (0: every rank in one node): node n holds ranks [n G, (n + 1) G); systems
     # that stage their exchange by node (system=hierarchical) read it, the analysis splits
     # bytes into intra- and inter-node by it
-    devices_per_node: int = 0
+    devices_per_node: int = later(0)
     # at world size 1, run the backend's collectives (the rank sends to itself) instead of local
     # copies: make gpu-check's one-GPU NCCL world (NCCL refuses two ranks on one GPU)
-    single_rank_collectives: bool = False
+    single_rank_collectives: bool = later(False)
     run_timeout_s: float = 3600.0       # whole run
     collective_timeout_s: float = 300.0
 
