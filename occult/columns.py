@@ -98,6 +98,13 @@ def setting_columns() -> dict:
     return columns_of(_schemas())
 
 
+def own_settings(config) -> dict:
+    """``{column: value}`` of the column fields a typed config declares (no others; the
+    recorder fills those with their ``absent`` values, :func:`occult.records.make_frame`):
+    what a compared system's rows carry of their own."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if COLUMN in f.metadata}
+
+
 def _value(config, name: str, absent):
     """``config``'s ``name`` (a typed config, a DictConfig or a dict), ``absent`` without one."""
     if config is None:

@@ -3,11 +3,14 @@
 Columns: the run's context (run_id, experiment, label, system, impl,
 system_options, model, init, task, cluster, world_size, devices_per_node, num_experts, top_k,
 hidden_size, expert_ffn_size, dtype, tokens_per_rank, routing, trace_sha256 (of a replayed
-routing trace, "" for none), placement (``task.placement``: contiguous, eplb or an artifact; ""
-for a task without it), migration (``task.migration``: Luffy's sequence migration, False
-for a task without it), batch_size, seq_len, seed, config_hash), the measurement (layer, rank,
-phase, pass, metric, value, unit, sample, src_rank, dst_rank, expert) and provenance
-(git_commit, torch_version, device, hostname, time, clock, launcher).
+routing trace, "" for none), batch_size, seq_len, seed, config_hash), the run's settings (the
+schema fields declared as columns, :mod:`occult.columns`, each with the value a run without
+the field writes: ``system.dispatch_mode``, ``task.grad_sync``, ``task.microbatches``,
+``task.migration`` (Luffy's sequence migration), ``task.placement`` (contiguous, eplb or an
+artifact)), the
+measurement (layer, rank, phase, pass, metric, value, unit, sample, src_rank, dst_rank, expert)
+and provenance (git_commit, torch_version, device, hostname, time, clock, launcher). A
+setting is a column, never a metric row.
 
 ``run_id`` is unique per composed config: readable fields and ``config_hash``, a
 digest of the composed config (:func:`config_hash`); ``system_options`` is the
@@ -33,37 +36,24 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from .columns import later_keys, setting_columns
+
 MEASUREMENT_COLUMNS = ["layer", "rank", "phase", "pass", "metric", "value", "unit", "sample",
                        "src_rank", "dst_rank", "expert"]
+# the run's context; the settings that select behaviour follow it (:func:`columns`)
 CONTEXT_COLUMNS = ["run_id", "experiment", "label", "system", "impl", "system_options", "model", "init", "task",
                    "cluster", "world_size", "devices_per_node", "num_experts", "top_k", "hidden_size", "expert_ffn_size",
-                   "dtype", "tokens_per_rank", "routing", "trace_sha256", "placement", "migration", "batch_size",
-                   "seq_len", "seed", "config_hash"]
+                   "dtype", "tokens_per_rank", "routing", "trace_sha256", "batch_size", "seq_len", "seed", "config_hash"]
 PROVENANCE_COLUMNS = ["git_commit", "torch_version", "device", "hostname", "time", "clock", "launcher"]
-COLUMNS = CONTEXT_COLUMNS + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
 RESULTS_FILE = "results.parquet"
 RUN_CONFIG_FILE = "run_config.json"      # the composed config the results belong to (resume checks it)
 # keys of the composed config that do not change a run's results (left out of its hash)
 NOT_HASHED = ("resume", "out_dir", "report", "report_options", "cluster.run_timeout_s", "cluster.collective_timeout_s")
-# keys added after results were first written, hashed only when they differ from the default that
-# reproduces those results (so earlier runs keep their hash and resume), and the value a table
-# written before them holds
-LATER_KEYS = {"cluster.devices_per_node": 0, "cluster.single_rank_collectives": False,
-              "task.optimisers": ["contiguous", "random", "greedy", "swap_search"],
-              "task.load_caps": [None, 1.25, 1.15, 1.1], "task.swap_time_limit_s": 10.0,
-              "task.total_tokens": 0, "task.routers": None, "task.sample_layers": 0,
-              "task.synthetic_tokens": 0,
-              # the load workloads and EPLB's placements (task.trace is left out: task=simulate
-              # has hashed its null since before)
-              "task.max_over_mean": 2.0, "task.incast_device": 0, "task.incast_share": 0.5,
-              "task.placement": "contiguous", "task.num_redundant": 0,
-              # micro-batch co-execution and the gradient sync's schedule (issue 28)
-              "task.microbatches": 1, "task.grad_sync": "end",
-              "task.migration": False}
 # tables written before a column existed: the value their runs had (``dtype``: the harness's
-# default element type; runs in bfloat16 then were the GPU check's)
-LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32", "trace_sha256": "", "placement": "", "migration": False,
-                 "expert": -1}
+# default element type; runs in bfloat16 then were the GPU check's); the settings' columns
+# (:func:`occult.columns.setting_columns`) hold their ``absent`` value there, or what the old
+# table held of them elsewhere (:func:`analysis.load.settings_as_columns`)
+LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32", "trace_sha256": "", "expert": -1}
 
 
 def row(metric: str, value: float, unit: str, *, layer: int = -1, rank: int = -1, phase: str = "",
@@ -125,8 +115,9 @@ def hashed_config(cfg_container: dict) -> dict:
     """The composed config (resolved, plain containers) as it is hashed: flattened, without
     the keys that do not change results (:data:`NOT_HASHED`)."""
     flat = flatten({k: v for k, v in cfg_container.items() if k != "hydra"})
+    later = later_keys()
     return {k: v for k, v in flat.items() if not any(k == n or k.startswith(n + ".") for n in NOT_HASHED)
-            and not (k in LATER_KEYS and v == LATER_KEYS[k])}
+            and not (k in later and v == later[k])}
 
 
 def config_hash(hashed: dict) -> str:
@@ -137,9 +128,10 @@ def config_hash(hashed: dict) -> str:
 
 def config_diff(stored: dict, current: dict) -> list:
     """Keys whose values differ between two :func:`hashed_config` dicts, as ``key: a -> b``
-    (a key at its :data:`LATER_KEYS` default counts as absent: a config stored before the
-    key became one of them held it)."""
-    stored, current = ({k: v for k, v in d.items() if not (k in LATER_KEYS and v == LATER_KEYS[k])}
+    (a key at its later value, :func:`occult.columns.later_keys`, counts as absent: a config
+    stored before the key existed held it)."""
+    later = later_keys()
+    stored, current = ({k: v for k, v in d.items() if not (k in later and v == later[k])}
                        for d in (stored, current))
     keys = sorted(set(stored) | set(current))
     missing = "<absent>"
@@ -165,20 +157,30 @@ def read_run_config(out_dir) -> "dict | None":
     return json.loads(path.read_text())
 
 
+def columns() -> list:
+    """Every column of a results table, in order: the run's context, its settings (the
+    schema fields marked as columns, :func:`occult.columns.setting_columns`), the
+    measurement, the provenance."""
+    return CONTEXT_COLUMNS + list(setting_columns()) + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
+
+
 def make_frame(rows: list, context: dict) -> pd.DataFrame:
     """Rows plus the run's context and provenance, in the schema's column order. A row
     may carry its own value of a context column (e.g. one of several systems a run
     compares); the run's value fills the rest. Columns added to the schema later
-    (:data:`LATER_COLUMNS`) default to the value older runs had."""
-    own = [c for c in CONTEXT_COLUMNS if any(c in r for r in rows)]
+    (:data:`LATER_COLUMNS`) default to the value older runs had, a setting the context
+    does not name to its ``absent`` value."""
+    order = columns()
+    absent = {name: value for name, (_, value) in setting_columns().items()}
+    own = [c for c in CONTEXT_COLUMNS + list(absent) if any(c in r for r in rows)]
     df = pd.DataFrame(rows, columns=MEASUREMENT_COLUMNS + own)
-    for key, value in {**provenance(), **LATER_COLUMNS, **context}.items():
+    for key, value in {**provenance(), **LATER_COLUMNS, **absent, **context}.items():
         own_value = key in own or key in MEASUREMENT_COLUMNS     # the rows' own values, defaults filling gaps
         df[key] = df[key].where(df[key].notna(), value) if own_value else value
-    missing = [c for c in COLUMNS if c not in df.columns]
+    missing = [c for c in order if c not in df.columns]
     if missing:
         raise ValueError(f"results: context lacks columns {missing}")
-    return df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
+    return df[order + [c for c in df.columns if c not in order]]
 
 
 def _atomic_write(path: Path, write) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from .columns import setting_values
 from .dist import WHOLE_MODEL_PRELOAD, RankFailed, broadcast_from_rank0, job_world, join_job_world, launch
 from .ep import import_object, system_config
 from .ep.measure import clock_name
@@ -42,7 +43,8 @@ SWEEP_POINTS_ENV = "OCCULT_SWEEP_POINTS"
 
 
 def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
-    """The context columns of every row of this run. A task that does not have a column's
+    """The context columns of every row of this run, its settings among them
+    (:func:`occult.columns.setting_values`). A task that does not have a column's
     field writes -1 (``routing``: ``router`` for a whole model, whose own routers route;
     else ""); a task that runs no top-level system writes ``system`` "" (its rows name
     their own systems)."""
@@ -63,11 +65,16 @@ def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
             "tokens_per_rank": (t.total_tokens // c.world_size if getattr(t, "total_tokens", 0)
                                 else getattr(t, "tokens_per_rank", -1)),
             "routing": getattr(t, "routing", "router" if t.whole_model else ""),
-            "trace_sha256": run_trace_sha256(t), "placement": getattr(t, "placement", ""),
-            "migration": bool(getattr(t, "migration", False)),
+            "trace_sha256": run_trace_sha256(t), **run_settings(cfg, t),
             "batch_size": getattr(t, "batch_size", -1), "seq_len": getattr(t, "seq_len", -1),
             "seed": cfg.seed, "config_hash": digest, "clock": t.clock or clock_name(c.backend),
             "launcher": world.kind if world is not None else "local"}
+
+
+def run_settings(cfg: DictConfig, t) -> dict:
+    """The run's settings columns (:func:`occult.columns.setting_values`) from its typed task and
+    system (a task that runs no top-level system: its system columns' ``absent`` values)."""
+    return setting_values({"task": t, "system": system_config(cfg.system) if t.uses_system else None})
 
 
 def run_trace_sha256(t) -> str:
