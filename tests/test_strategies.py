@@ -253,7 +253,8 @@ def _run_frame(rows: list, P: int = 2, devices_per_node: int = 0):
             "unit": ""}
     df = pd.DataFrame([{**base, **r} for r in rows])
     ctx = {"world_size": P, "devices_per_node": devices_per_node, "hidden_size": 10, "expert_ffn_size": 10,
-           "top_k": 1, "num_experts": 2, "tokens_per_rank": 100, "model": "toy", "run_dir": "x"}
+           "top_k": 1, "num_experts": 2, "tokens_per_rank": 100, "model": "toy", "run_dir": "x",
+           "microbatches": 1}
     return df.assign(**ctx)
 
 
