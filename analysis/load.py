@@ -12,7 +12,7 @@ from typing import Iterable, Union
 
 import pandas as pd
 
-from occult.columns import setting_columns
+from occult.config import setting_columns
 from occult.records import LATER_COLUMNS, RESULTS_FILE
 
 # settings that tables written before they were columns (up to 57d74c1) held as metric rows of
@@ -58,7 +58,7 @@ def load_runs(paths) -> pd.DataFrame:
 
 
 def settings_as_columns(df: pd.DataFrame) -> pd.DataFrame:
-    """One results table with every setting column (:func:`occult.columns.setting_columns`):
+    """One results table with every setting column (:func:`occult.config.setting_columns`):
     a table written before a setting was a column gets it from the metric rows it wrote of it
     (:data:`SETTING_ROWS`, per run; the rows are dropped, as no setting is a measurement), from
     its ``system_options`` (:data:`SETTING_OPTIONS`, per row), else the ``absent`` value of a

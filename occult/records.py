@@ -36,23 +36,21 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from .columns import later_keys, setting_columns
-
 MEASUREMENT_COLUMNS = ["layer", "rank", "phase", "pass", "metric", "value", "unit", "sample",
                        "src_rank", "dst_rank", "expert"]
-# the run's context; the settings that select behaviour follow it (:func:`columns`)
+# the run's context; the run's settings follow it (the context's other keys: make_frame)
 CONTEXT_COLUMNS = ["run_id", "experiment", "label", "system", "impl", "system_options", "model", "init", "task",
                    "cluster", "world_size", "devices_per_node", "num_experts", "top_k", "hidden_size", "expert_ffn_size",
                    "dtype", "tokens_per_rank", "routing", "trace_sha256", "batch_size", "seq_len", "seed", "config_hash"]
 PROVENANCE_COLUMNS = ["git_commit", "torch_version", "device", "hostname", "time", "clock", "launcher"]
+COLUMNS = CONTEXT_COLUMNS + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
 RESULTS_FILE = "results.parquet"
 RUN_CONFIG_FILE = "run_config.json"      # the composed config the results belong to (resume checks it)
 # keys of the composed config that do not change a run's results (left out of its hash)
 NOT_HASHED = ("resume", "out_dir", "report", "report_options", "cluster.run_timeout_s", "cluster.collective_timeout_s")
 # tables written before a column existed: the value their runs had (``dtype``: the harness's
 # default element type; runs in bfloat16 then were the GPU check's); the settings' columns
-# (:func:`occult.columns.setting_columns`) hold their ``absent`` value there, or what the old
-# table held of them elsewhere (:func:`analysis.load.settings_as_columns`)
+# read as what such a table held of them elsewhere (:func:`analysis.load.settings_as_columns`)
 LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32", "trace_sha256": "", "expert": -1}
 
 
@@ -112,12 +110,18 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def hashed_config(cfg_container: dict) -> dict:
-    """The composed config (resolved, plain containers) as it is hashed: flattened, without
-    the keys that do not change results (:data:`NOT_HASHED`)."""
+    """The composed config (resolved, plain containers) flattened, without the keys that do
+    not change results (:data:`NOT_HASHED`); a run hashes it :func:`without_later` keys
+    (:func:`occult.runner.run_hashed_config`)."""
     flat = flatten({k: v for k, v in cfg_container.items() if k != "hydra"})
-    later = later_keys()
-    return {k: v for k, v in flat.items() if not any(k == n or k.startswith(n + ".") for n in NOT_HASHED)
-            and not (k in later and v == later[k])}
+    return {k: v for k, v in flat.items() if not any(k == n or k.startswith(n + ".") for n in NOT_HASHED)}
+
+
+def without_later(hashed: dict, later: dict) -> dict:
+    """``hashed`` without the keys at their ``later`` value (``later``: ``{key: the value
+    configs held before the key existed}``, :func:`occult.config.later_keys`): a config
+    written before a key existed and one at its later value hash alike."""
+    return {k: v for k, v in hashed.items() if not (k in later and v == later[k])}
 
 
 def config_hash(hashed: dict) -> str:
@@ -126,13 +130,11 @@ def config_hash(hashed: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def config_diff(stored: dict, current: dict) -> list:
-    """Keys whose values differ between two :func:`hashed_config` dicts, as ``key: a -> b``
-    (a key at its later value, :func:`occult.columns.later_keys`, counts as absent: a config
-    stored before the key existed held it)."""
-    later = later_keys()
-    stored, current = ({k: v for k, v in d.items() if not (k in later and v == later[k])}
-                       for d in (stored, current))
+def config_diff(stored: dict, current: dict, later: dict) -> list:
+    """Keys whose values differ between two hashed configs, as ``key: a -> b`` (a key at its
+    ``later`` value counts as absent: a config stored before the key existed held it;
+    :func:`without_later`)."""
+    stored, current = without_later(stored, later), without_later(current, later)
     keys = sorted(set(stored) | set(current))
     missing = "<absent>"
     return [f"{k}: {stored.get(k, missing)!r} -> {current.get(k, missing)!r}" for k in keys
@@ -157,24 +159,18 @@ def read_run_config(out_dir) -> "dict | None":
     return json.loads(path.read_text())
 
 
-def columns() -> list:
-    """Every column of a results table, in order: the run's context, its settings (the
-    schema fields marked as columns, :func:`occult.columns.setting_columns`), the
-    measurement, the provenance."""
-    return CONTEXT_COLUMNS + list(setting_columns()) + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
-
-
 def make_frame(rows: list, context: dict) -> pd.DataFrame:
-    """Rows plus the run's context and provenance, in the schema's column order. A row
-    may carry its own value of a context column (e.g. one of several systems a run
-    compares); the run's value fills the rest. Columns added to the schema later
-    (:data:`LATER_COLUMNS`) default to the value older runs had, a setting the context
-    does not name to its ``absent`` value."""
-    order = columns()
-    absent = {name: value for name, (_, value) in setting_columns().items()}
-    own = [c for c in CONTEXT_COLUMNS + list(absent) if any(c in r for r in rows)]
+    """Rows plus the run's context and provenance, in the schema's column order: the
+    context's keys beyond :data:`CONTEXT_COLUMNS`, the run's settings
+    (:func:`occult.runner.run_context`), follow those, by name. A row may carry its own value
+    of a context column or setting (e.g. one of several systems a run compares); the run's
+    value fills the rest. Columns added to the schema later (:data:`LATER_COLUMNS`) default
+    to the value older runs had."""
+    settings = sorted(k for k in context if k not in COLUMNS)
+    order = CONTEXT_COLUMNS + settings + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
+    own = [c for c in CONTEXT_COLUMNS + settings if any(c in r for r in rows)]
     df = pd.DataFrame(rows, columns=MEASUREMENT_COLUMNS + own)
-    for key, value in {**provenance(), **LATER_COLUMNS, **absent, **context}.items():
+    for key, value in {**provenance(), **LATER_COLUMNS, **context}.items():
         own_value = key in own or key in MEASUREMENT_COLUMNS     # the rows' own values, defaults filling gaps
         df[key] = df[key].where(df[key].notna(), value) if own_value else value
     missing = [c for c in order if c not in df.columns]

@@ -21,12 +21,13 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from .columns import setting_values
+from .config import later_keys, setting_columns
 from .dist import WHOLE_MODEL_PRELOAD, RankFailed, broadcast_from_rank0, job_world, join_job_world, launch
 from .ep import import_object, system_config
 from .ep.measure import clock_name
 from .errors import ConfigError
 from .records import (config_diff, config_hash, has_results, hashed_config, make_frame, read_run_config, row,
-                      write_results, write_run_config)
+                      without_later, write_results, write_run_config)
 from .tasks.options import task_config
 from .validate import validate
 
@@ -74,7 +75,8 @@ def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
 def run_settings(cfg: DictConfig, t) -> dict:
     """The run's settings columns (:func:`occult.columns.setting_values`) from its typed task and
     system (a task that runs no top-level system: its system columns' ``absent`` values)."""
-    return setting_values({"task": t, "system": system_config(cfg.system) if t.uses_system else None})
+    return setting_values({"task": t, "system": system_config(cfg.system) if t.uses_system else None},
+                          setting_columns())
 
 
 def run_trace_sha256(t) -> str:
@@ -86,12 +88,13 @@ def run_trace_sha256(t) -> str:
 
 
 def run_hashed_config(cfg: DictConfig) -> dict:
-    """The composed config as it is hashed (:func:`occult.records.hashed_config`); a task that
-    runs no top-level system leaves ``system`` out (its compared systems are in the task)."""
+    """The composed config as it is hashed (:func:`occult.records.hashed_config`, keys at
+    their later value left out: :func:`occult.config.later_keys`); a task that runs no
+    top-level system leaves ``system`` out (its compared systems are in the task)."""
     container = OmegaConf.to_container(cfg, resolve=True)
     if not task_config(cfg.task).uses_system:
         container.pop("system", None)
-    return hashed_config(container)
+    return without_later(hashed_config(container), later_keys())
 
 
 def already_done(out_dir: Path, hashed: dict) -> bool:
@@ -105,7 +108,7 @@ def already_done(out_dir: Path, hashed: dict) -> bool:
     if stored is None:
         raise ConfigError(f"{out_dir} holds results without a record of their config (written by an older "
                           f"version); {how}")
-    diff = config_diff(stored["config"], hashed)
+    diff = config_diff(stored["config"], hashed, later_keys())
     if stored["config_hash"] == config_hash(hashed) or not diff:
         return True
     raise ConfigError(f"{out_dir} holds results of a different config ({'; '.join(diff)}); {how}")
