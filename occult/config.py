@@ -20,6 +20,7 @@ The YAML files under ``conf/`` fill these in. Every group has its schema:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
@@ -28,7 +29,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from . import CONF_DIR
-from .columns import later
+from .columns import columns_of, later, later_keys_of
 from .ep.links import ProfileConf  # noqa: F401 - the profile group's schema, with the reader below systems
 
 
@@ -219,6 +220,21 @@ def schemas(conf_dirs: Sequence[Path] = ()) -> dict:
              "task": [_task_schema_of(p) for p in group_yamls(dirs, "task").values()]}
     return {"cluster": [ClusterConf], "model": [ModelConf],
             **{group: list(dict.fromkeys(c for c in classes if c is not None)) for group, classes in found.items()}}
+
+
+@cache
+def later_keys() -> dict:
+    """``{"<group>.<field>": value}``: the keys added after results were first written, each
+    with the value configs held before it (the fields' declarations, :mod:`occult.columns`,
+    over :func:`schemas`): a config at that value hashes as one without the key."""
+    return later_keys_of(schemas())
+
+
+@cache
+def setting_columns() -> dict:
+    """``{column: (group, absent value)}``: the schema fields declared as columns of every
+    results row (:mod:`occult.columns`, over :func:`schemas`)."""
+    return columns_of(schemas())
 
 
 def register(conf_dirs: Sequence[Path] = ()) -> None:
