@@ -3,22 +3,22 @@ first written: both declared on the schema field itself.
 
 * :func:`column`: a setting that selects behaviour (``task.microbatches``,
   ``system.dispatch_mode``, ...). The recorder writes it as a column of every row, named
-  by the field (:func:`setting_values`); a run whose task or system has no such field
-  writes the column's ``absent`` value, declared here once. A figure reads the column,
+  by the field (:func:`setting_values`, :func:`own_settings`); a run whose task or system
+  has no such field writes the column's ``absent`` value, declared with the field, once. A figure reads the column,
   never a metric row or the ``system_options`` JSON.
 * ``later=``, on :func:`column` or :func:`later`: the field was added after results were
   first written, and configs that hold this value hash as the configs without the key did
-  (so earlier runs keep their hash and resume: :func:`later_keys`,
-  :func:`occult.records.hashed_config`).
+  (so earlier runs keep their hash and resume: :func:`occult.runner.run_hashed_config`).
 
-The schemas searched are every schema of ``conf/`` (:func:`occult.config.schemas`): the
-cluster's, the model's, every system's and every task's.
+This module only declares and reads declarations (it sits below every schema); which schemas
+there are is :func:`occult.config.schemas`'s to say (the cluster's, the model's, every system's
+and every task's), and :func:`occult.config.later_keys` and
+:func:`occult.config.setting_columns` apply the functions below to them.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-from functools import cache
 from typing import Any, Iterator
 
 COLUMN = "occult.column"        # field metadata: the value a run without the field writes
@@ -81,21 +81,12 @@ def columns_of(schemas: dict) -> dict:
     return dict(sorted(found.items()))
 
 
-def _schemas() -> dict:
-    from .config import schemas
-    return schemas()
-
-
-@cache
-def later_keys() -> dict:
-    """The later keys of every schema of ``conf/`` (see the module docstring)."""
-    return later_keys_of(_schemas())
-
-
-@cache
-def setting_columns() -> dict:
-    """``{column: (group, absent value)}`` of every column field of the schemas of ``conf/``."""
-    return columns_of(_schemas())
+def own_settings(config) -> dict:
+    """``{column: value}`` of the column fields a typed config declares: what a compared
+    system's rows carry of their own (their other settings are the run's,
+    :func:`occult.records.make_frame`; a task that compares systems runs no system of its
+    own, so the run's system columns hold their ``absent`` values)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if COLUMN in f.metadata}
 
 
 def _value(config, name: str, absent):
@@ -107,9 +98,9 @@ def _value(config, name: str, absent):
     return config[name] if name in config else absent
 
 
-def setting_values(configs: dict) -> dict:
-    """The setting columns of one run, or one compared system: ``configs`` is ``{group:
-    typed config}`` (None for a group the run lacks, e.g. a task that runs no system); each
-    column of those groups holds the config's value, or its ``absent`` value where the
-    config has no such field."""
-    return {name: _value(configs[group], name, absent) for name, (group, absent) in setting_columns().items() if group in configs}
+def setting_values(configs: dict, columns: dict) -> dict:
+    """The setting columns of one run: ``configs`` is ``{group: typed config}`` (None for a
+    group the run lacks, e.g. a task that runs no system), ``columns`` the columns
+    (:func:`columns_of`); each column of those groups holds the config's value, or its
+    ``absent`` value where the config has no such field."""
+    return {name: _value(configs[group], name, absent) for name, (group, absent) in columns.items() if group in configs}

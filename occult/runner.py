@@ -20,12 +20,14 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from .columns import setting_values
+from .config import later_keys, setting_columns
 from .dist import WHOLE_MODEL_PRELOAD, RankFailed, broadcast_from_rank0, job_world, join_job_world, launch
 from .ep import import_object, system_config
 from .ep.measure import clock_name
 from .errors import ConfigError
 from .records import (config_diff, config_hash, has_results, hashed_config, make_frame, read_run_config, row,
-                      write_results, write_run_config)
+                      without_later, write_results, write_run_config)
 from .spec import RunSpec
 from .tasks.options import task_config
 from .validate import validate
@@ -60,10 +62,11 @@ def build_spec(cfg: DictConfig, out_dir, digest: str) -> RunSpec:
 
 
 def run_context(spec: RunSpec) -> dict:
-    """The context columns of every row of this run. The task's settings among them come
-    from its config (:meth:`occult.tasks.options.TaskConf.columns`: a task without a
-    column's field writes the value declared there); a task that runs no top-level system
-    writes ``system`` "" (its rows name their own systems)."""
+    """The context columns of every row of this run, from the spec's typed fields: the task's
+    shape (:meth:`occult.tasks.options.TaskConf.columns`: a task without a column's field
+    writes the value declared there) and the settings declared as columns
+    (:func:`run_settings`); a task that runs no top-level system writes ``system`` "" (its
+    rows name their own systems)."""
     m, c, t = spec.model, spec.cluster, spec.task
     world = job_world()
     if spec.system is not None:
@@ -77,8 +80,14 @@ def run_context(spec: RunSpec) -> dict:
             "init": spec.checkpoint or "random", "task": t.name, "cluster": c.name,
             "world_size": c.world_size, "devices_per_node": c.devices_per_node, "num_experts": m.num_experts,
             "top_k": m.top_k, "hidden_size": m.hidden_size, "expert_ffn_size": m.expert_ffn_size, "dtype": m.dtype,
-            **columns, "trace_sha256": run_trace_sha256(t), "seed": spec.seed, "config_hash": spec.run_digest,
-            "clock": t.clock or clock_name(c.backend), "launcher": world.kind if world is not None else "local"}
+            **columns, "trace_sha256": run_trace_sha256(t), **run_settings(spec), "seed": spec.seed,
+            "config_hash": spec.run_digest, "clock": t.clock or clock_name(c.backend), "launcher": world.kind if world is not None else "local"}
+
+
+def run_settings(spec: RunSpec) -> dict:
+    """The run's settings columns (:func:`occult.columns.setting_values`) from its typed task and
+    system (a task that runs no top-level system: its system columns' ``absent`` values)."""
+    return setting_values({"task": spec.task, "system": spec.system}, setting_columns())
 
 
 def run_trace_sha256(t) -> str:
@@ -97,12 +106,13 @@ NOT_SETTINGS = ("task.schema",)
 
 
 def run_hashed_config(cfg: DictConfig) -> dict:
-    """The composed config as it is hashed (:func:`occult.records.hashed_config`); a task that
-    runs no top-level system leaves ``system`` out (its compared systems are in the task)."""
+    """The composed config as it is hashed (:func:`occult.records.hashed_config`, keys at
+    their later value left out: :func:`occult.config.later_keys`); a task that runs no
+    top-level system leaves ``system`` out (its compared systems are in the task)."""
     container = OmegaConf.to_container(cfg, resolve=True)
     if not task_config(cfg.task).uses_system:
         container.pop("system", None)
-    return {k: v for k, v in hashed_config(container).items() if k not in NOT_SETTINGS}
+    return {k: v for k, v in without_later(hashed_config(container), later_keys()).items() if k not in NOT_SETTINGS}
 
 
 def already_done(out_dir: Path, hashed: dict) -> bool:
@@ -116,7 +126,7 @@ def already_done(out_dir: Path, hashed: dict) -> bool:
     if stored is None:
         raise ConfigError(f"{out_dir} holds results without a record of their config (written by an older "
                           f"version); {how}")
-    diff = config_diff({k: v for k, v in stored["config"].items() if k not in NOT_SETTINGS}, hashed)
+    diff = config_diff({k: v for k, v in stored["config"].items() if k not in NOT_SETTINGS}, hashed, later_keys())
     if stored["config_hash"] == config_hash(hashed) or not diff:
         return True
     raise ConfigError(f"{out_dir} holds results of a different config ({'; '.join(diff)}); {how}")

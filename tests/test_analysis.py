@@ -19,7 +19,7 @@ from analysis.sections import resolve_builders
 from analysis.lcc import component_growth, largest_component, token_counts, topk_from_logits, uniform_lcc_curve
 from analysis.load import load_runs
 from analysis.report import write_report
-from occult.config import register
+from occult.config import register, setting_columns
 from occult.ep import links
 from occult.records import make_frame, row, write_results
 
@@ -118,13 +118,17 @@ def test_calibration_fit_recovers_a_line():
 # synthetic runs in the results schema
 # ---------------------------------------------------------------------------
 
+# the settings' columns of a run whose task and system have none of their fields
+ABSENT_SETTINGS = {name: absent for name, (_, absent) in setting_columns().items()}
+
+
 def _context(system, model, task, P, E, K, D, F, routing="uniform", T=64, options=None):
     return {"run_id": f"t/{system}/{model}/{task}/{P}/{K}/{routing}", "experiment": "synthetic", "label": "",
             "system": system, "impl": "harness", "system_options": json.dumps(options or {}, sort_keys=True),
             "model": model, "init": "random", "task": task, "cluster": f"cpu{P}",
             "world_size": P, "num_experts": E, "top_k": K, "hidden_size": D, "expert_ffn_size": F,
             "tokens_per_rank": T, "routing": routing, "batch_size": 2, "seq_len": 32, "seed": 0,
-            "config_hash": f"{system}{P}{K}{routing}"}
+            "config_hash": f"{system}{P}{K}{routing}", **ABSENT_SETTINGS}
 
 
 def _comm_rows(P, rows_per_peer, D, layers=(0,), directions=("forward", "backward")):

@@ -9,9 +9,10 @@ process), the order of their turns (reversed every other sample, so that machine
 them alike), the replay of each collective right after itself as a plain
 ``all_to_all_single`` of the same split sizes (``raw_a2a_time`` beside ``a2a_time_paired``:
 the harness's own overhead; for whole models what the bytes alone can buy at the proxy's
-width), and the tag of each system's rows: its own ``system``, ``impl``, ``system_options``
-and ``run_id`` (the run's config digest and a digest of the system's config: two configs of
-one system are two runs); :mod:`analysis.figures.bench` turns them into ratios.
+width), and the tag of each system's rows: its own ``system``, ``impl``, ``system_options``,
+settings (``dispatch_mode``) and ``run_id`` (the run's config digest and a digest of the
+system's config: two configs of one system are two runs); :mod:`analysis.figures.bench`
+turns them into ratios.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import json
 
 from omegaconf import OmegaConf
 
+from ..columns import own_settings
 from ..ep import Recorder, system_config
 from ..ep.measure import barrier
 from ..errors import ConfigError
@@ -84,12 +86,13 @@ def prepare(spec: RunSpec) -> RunSpec:
 
 
 def tagged(rows: list, config, base_id: str, world_size: int) -> list:
-    """``rows`` with the compared system's context columns; its ``run_id`` ends in a digest
-    of the run's config and the system's own (two configs of one system stay two runs)."""
+    """``rows`` with the compared system's context columns (its settings among them); its
+    ``run_id`` ends in a digest of the run's config and the system's own (two configs of one
+    system stay two runs)."""
     digest = config_hash({"run": base_id, "system": json.loads(config.options_json()), "name": config.name,
                           "target": config._target_})
     tag = {"system": config.name, "impl": config.impl_for(world_size), "system_options": config.options_json(),
-           "run_id": f"{base_id}/{config.name}/{digest}"}
+           **own_settings(config), "run_id": f"{base_id}/{config.name}/{digest}"}
     return [{**r, **tag} for r in rows]
 
 

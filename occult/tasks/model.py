@@ -26,7 +26,7 @@ from ..ep import Recorder, system_config
 from ..ep.accounting import recording
 from ..ep.measure import clock, iterations, slowest
 from ..ep.static import dynamic_calls, times_by_marks
-from ..models.grad_sync import GRAD_SYNCS, GradSync
+from ..models.grad_sync import GradSync
 from ..models.runtime import base_model, forward_micro_batches, make_rank_model, micro_batches
 from ..records import row
 from ..spec import RunSpec
@@ -311,10 +311,6 @@ def run_workload(ctx, spec: RunSpec, workload: str) -> list:
     if runner is not None:
         model = runner(model)
     work = WORKLOADS[workload](ctx, spec, tok, model)
-    if ctx.rank == 0:       # what the report tells co-executed runs by (their spans hold the other strands' turns)
-        rows.append(row("microbatches", work.microbatches, "micro-batches"))
-        if isinstance(work, TrainWorkload):     # and the gradient sync's schedule, as its index in GRAD_SYNCS
-            rows.append(row("grad_sync_mode", GRAD_SYNCS.index(work.sync.mode), "index"))
     rec = Recorder(rank=ctx.rank, sync_collectives=spec.task.sync_collectives,
                    marks=times_by_marks(spec.system))
     for sample in _iterations(ctx, spec.task, rec):

@@ -80,10 +80,11 @@ class TaskConf:
         placement option: none)."""
         return False
 
-    # the context columns of every row that come from task fields (occult.runner.run_context),
-    # each with the value a task without that field writes
-    NO_FIELD_COLUMNS: ClassVar[Dict[str, Any]] = {"tokens_per_rank": -1, "routing": "", "placement": "",
-                                                  "migration": False, "batch_size": -1, "seq_len": -1}
+    # the context columns of every row that give the task's shape (occult.runner.run_context;
+    # the settings among the columns are declared on their fields, occult.columns), each with
+    # the value a task without that field writes
+    NO_FIELD_COLUMNS: ClassVar[Dict[str, Any]] = {"tokens_per_rank": -1, "routing": "", "batch_size": -1,
+                                                  "seq_len": -1}
 
     def columns(self, world_size: int) -> Dict[str, Any]:
         """This task's values of the context columns (:data:`NO_FIELD_COLUMNS` where it has
