@@ -33,7 +33,7 @@ def _allowed(cause) -> list:
 
 def _task_of(cause):
     """The task schema (a TaskConf subclass) where ``cause`` happened, or None."""
-    from .tasks.options import TaskConf
+    from .tasks.schema import TaskConf
 
     object_type = getattr(cause, "object_type", None)
     return object_type if isinstance(object_type, type) and issubclass(object_type, TaskConf) else None

@@ -9,7 +9,7 @@ The YAML files under ``conf/`` fill these in. Every group has its schema:
   their schemas as ``system_schema/<name>``; ``conf/config.yaml`` merges the chosen
   system's schema under its YAML (``system_schema@system: ${system}``).
 * ``task``: each task's own typed options, a subclass of
-  :class:`occult.tasks.options.TaskConf` named by the ``schema`` of its ``task/*.yaml``
+  :class:`occult.tasks.schema.TaskConf`, its module's ``Config``, named by the ``schema`` of its ``task/*.yaml``
   (stored as ``task_schema/<name>``; ``conf/config.yaml``: ``task_schema@task: ${task}``):
   a field the task does not read is not in its schema, so setting it fails at compose time.
 * ``model``, ``cluster`` (runnable worlds), ``pretrain``: the dataclasses of
@@ -39,7 +39,7 @@ from .schemas import ClusterConf, ModelConf, PretrainConf
 class RunConf:
     system: Any = MISSING               # the system's own schema (see the module docstring)
     model: ModelConf = field(default_factory=ModelConf)
-    task: Any = MISSING                 # the task's own schema (occult.tasks.options)
+    task: Any = MISSING                 # the task's own schema (its module's Config, occult.tasks.schema)
     cluster: ClusterConf = field(default_factory=ClusterConf)
     pretrain: PretrainConf = field(default_factory=PretrainConf)
     experiment_name: str = "adhoc"      # the results column "experiment"
@@ -73,7 +73,7 @@ def read_conf(group: str, name: str):
     if group == "system":
         return system_config(OmegaConf.load(path))
     if group == "task":
-        from .tasks.options import task_config
+        from .tasks.schema import task_config
         return task_config(OmegaConf.load(path))
     if group == "experiment":      # a global delta: its run fields (report, report_options, task, ...)
         raw = OmegaConf.load(path)
@@ -126,7 +126,7 @@ def _task_schema_of(path: Path):
     """The task schema a task YAML's ``schema`` names (None when it cannot be imported:
     validation then reports why)."""
     from .errors import ConfigError
-    from .tasks.options import task_schema
+    from .tasks.schema import task_schema
 
     try:
         return task_schema((yaml.safe_load(path.read_text()) or {}).get("schema", ""))

@@ -29,7 +29,7 @@ from .errors import ConfigError
 from .records import (config_diff, config_hash, has_results, hashed_config, make_frame, read_run_config, row,
                       without_later, write_results, write_run_config)
 from .spec import RunSpec
-from .tasks.options import task_config
+from .tasks.schema import task_config
 from .validate import validate
 
 log = logging.getLogger("occult")
@@ -63,7 +63,7 @@ def build_spec(cfg: DictConfig, out_dir, digest: str) -> RunSpec:
 
 def run_context(spec: RunSpec) -> dict:
     """The context columns of every row of this run, from the spec's typed fields: the task's
-    shape (:meth:`occult.tasks.options.TaskConf.columns`: a task without a column's field
+    shape (:meth:`occult.tasks.schema.TaskConf.columns`: a task without a column's field
     writes the value declared there) and the settings declared as columns
     (:func:`run_settings`); a task that runs no top-level system writes ``system`` "" (its
     rows name their own systems)."""

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-# The field types are named, not imported (occult.schemas, occult.tasks.options,
+# The field types are named, not imported (occult.schemas, occult.tasks.schema,
 # occult.ep.system): the spec is a plain frozen record, imported by the runner and the tasks.
 
 

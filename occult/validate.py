@@ -11,7 +11,7 @@ from typing import Sequence
 from .config import CONF_DIR, read_conf
 from .ep import import_object, system_config
 from .errors import ConfigError
-from .tasks.options import check_task
+from .tasks.schema import check_task
 
 __all__ = ["ConfigError", "available", "validate"]
 
@@ -83,7 +83,7 @@ def _check_router(m) -> None:
 
 
 def _check_task(task_cfg):
-    """The task's typed options after its checks (:func:`occult.tasks.options.check_task`),
+    """The task's typed options after its checks (:func:`occult.tasks.schema.check_task`),
     with its rank function and set-up importable."""
     task = check_task(task_cfg)
     for what in ("entry", "prepare"):

@@ -118,7 +118,7 @@ def shrunk(experiment: str, point: list) -> list[str]:
     than the shrunk count): validation refuses nothing the point itself did not."""
     from omegaconf import OmegaConf
 
-    from occult.tasks.options import task_schema
+    from occult.tasks.schema import task_schema
 
     cfg = _compose([f"experiment={experiment}", *(o for o in point if not o.startswith("hydra."))])
     fields = {f.name for f in dataclasses.fields(task_schema(cfg.task.schema))}

@@ -49,6 +49,6 @@ def test_validation_and_the_model_blocks_probe_no_system():
     probe = re.compile(r"(?:hasattr|getattr)\((?:self|config|system|cls|t|self\.dispatcher|self\.config)\s*,"
                        r"\s*[\"'](\w+)[\"']")
     for path in ("occult/validate.py", "occult/models/ep_block.py", "occult/ep/static.py", "occult/ep/system.py",
-                 "occult/tasks/simulate.py", "occult/tasks/world.py", "occult/tasks/options.py"):
+                 "occult/tasks/simulate.py", "occult/tasks/world.py", "occult/tasks/schema.py"):
         found = [name for name in probe.findall((ROOT / path).read_text()) if name != "Config"]
         assert not found, f"{path} probes {found}"

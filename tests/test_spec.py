@@ -14,7 +14,7 @@ import yaml
 from occult.config import CONF_DIR, group_yamls
 from occult.ep.system import import_object, system_config
 from occult.schemas import ClusterConf, ModelConf
-from occult.tasks.options import task_schema
+from occult.tasks.schema import task_schema
 from test_task_options import spec_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +40,7 @@ def test_a_spec_is_frozen_typed_and_pickles():
     """What the ranks receive: typed configs (no dicts beside them), frozen, equal after a
     pickle round trip (the ranks are processes)."""
     from occult.ep.system import SystemConfig
-    from occult.tasks.options import TaskConf
+    from occult.tasks.schema import TaskConf
 
     spec = spec_of("task=prefill", "model=olmoe_proxy", "system=occult", "task.microbatches=2", out_dir="/tmp/x")
     assert isinstance(spec.model, ModelConf) and isinstance(spec.cluster, ClusterConf)

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from occult.cli import describe
 from occult.config import CONF_DIR, register
-from occult.tasks.options import TaskConf, task_config
+from occult.tasks.schema import TaskConf, task_config
 from occult.validate import ConfigError, available, validate
 
 register()
@@ -137,7 +137,7 @@ def test_a_tasks_columns_say_when_it_has_no_such_field():
 
 def test_the_workload_names_are_the_workloads():
     from occult.tasks.model import WORKLOADS
-    from occult.tasks.options import WORKLOAD_NAMES
+    from occult.tasks.schema import WORKLOAD_NAMES
     assert sorted(WORKLOAD_NAMES) == sorted(WORKLOADS)
 
 
@@ -157,11 +157,14 @@ def test_a_compared_system_takes_options_and_names_a_bad_one():
 
 def test_every_schema_field_has_a_default():
     """A task's YAML may change its defaults, never need to supply them."""
-    import occult.tasks.options as options
-    for cls in vars(options).values():
-        if isinstance(cls, type) and issubclass(cls, TaskConf) and cls is not TaskConf:
+    import occult.tasks.schema as schema
+    from occult.tasks.layer import Config as LayerConfig
+    groups = [cls for cls in vars(schema).values() if isinstance(cls, type) and issubclass(cls, TaskConf)]
+    tasks = [type(task_config(cfg_with(f"task={name}").task)) for name in available("task")]
+    for cls in groups + tasks:
+        if cls is not TaskConf:
             for f in dataclasses.fields(cls):
                 if f.name not in ("name", "schema"):
                     assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, \
                         (cls.__name__, f.name)
-    assert OmegaConf.structured(options.LayerTask).backward is True
+    assert OmegaConf.structured(LayerConfig).backward is True

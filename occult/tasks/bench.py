@@ -11,6 +11,9 @@ checked against the single-device reference; then the systems' iterations altern
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from ..ep import Recorder
 from ..ep.measure import iterations, stopwatch
 from ..ep.static import times_by_marks
@@ -20,6 +23,17 @@ from ..spec import RunSpec
 from .common import comm_rows, parity_gate, routing_rows
 from .compare import replay_rows, tagged, turns
 from .one_layer import build_layer, make_inputs, time_iteration
+from .schema import Timed, Gated, Exchanges, LayerInputs, Compared
+
+
+@dataclass
+class Config(Timed, Gated, Exchanges, LayerInputs, Compared):
+    """task=bench: systems side by side on one MoE layer, forward and backward
+    (:mod:`occult.tasks.bench`)."""
+
+    entry: ClassVar[str] = "occult.tasks.bench.run"
+    prepare: ClassVar[str] = "occult.tasks.compare.prepare"
+    expert_parallel_only: ClassVar[bool] = True
 
 
 def run(ctx, spec: RunSpec) -> list:

@@ -10,15 +10,50 @@ checked against the single-device reference; then the systems' iterations altern
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar, Dict
+
 import copy
 
 from ..ep import Recorder
 from ..ep.measure import barrier, iterations
 from ..ep.static import times_by_marks
+from ..errors import ConfigError
 from ..spec import RunSpec
 from .common import model_parity_gate, parity_gate
 from .compare import model_replay_rows, tagged, turns
-from .options import workload_task
+from .schema import workload_task
+from .schema import Timed, Gated, Exchanges, Text, HeldOut, Compared, at_least, WORKLOAD_NAMES
+
+
+@dataclass
+class Config(Timed, Gated, Exchanges, Text, HeldOut, Compared):
+    """task=bench_model: systems side by side on a whole model's ``workload`` (the
+    prefill, decode or train task's own iterations)."""
+
+    workload: str = "prefill"           # prefill | decode | train
+    new_tokens: int = 16                # workload=decode
+    lr: float = 1e-3                    # workload=train
+
+    entry: ClassVar[str] = "occult.tasks.bench_model.run"
+    prepare: ClassVar[str] = "occult.tasks.compare.prepare"
+    whole_model: ClassVar[bool] = True
+
+    def check(self) -> None:
+        super().check()
+        if self.workload not in WORKLOAD_NAMES:
+            raise ConfigError(f"task.workload={self.workload!r}: allowed values are {list(WORKLOAD_NAMES)}")
+        at_least("new_tokens", self.new_tokens, 0)
+
+    def unread(self) -> Dict[str, str]:
+        out = super().unread()
+        if self.workload != "decode":
+            out["new_tokens"] = "read only with task.workload=decode"
+        if self.workload != "train":
+            out["lr"] = "read only with task.workload=train"
+        else:
+            out["split"] = "not read with task.workload=train (training batches come from the train split)"
+        return out
 
 
 def run(ctx, spec: RunSpec) -> list:

@@ -67,7 +67,7 @@ def _checked_config(system, rank: int) -> tuple:
 def schedule_changes(cfg) -> list:
     """What of the run makes the model compute other than layer by layer, each layer as
     alone (what the whole-model gate checks; [] for none): the task's schedule away from
-    its defaults (:meth:`occult.tasks.options.TaskConf.schedule_changes`: co-executed
+    its defaults (:meth:`occult.tasks.schema.TaskConf.schedule_changes`: co-executed
     micro-batches, sequence migration, a gradient sync that starts during the backward),
     and a shortcut-connected model (each MoE block reads the one before it)."""
     m = typed(ModelConf, cfg.model)

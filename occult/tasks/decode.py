@@ -10,8 +10,52 @@ fixed buffers, with ``task.cuda_graph`` each MoE block's step captured in a CUDA
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..errors import ConfigError
 from ..spec import RunSpec
 from .model import run_workload
+from .schema import Served, at_least
+
+
+@dataclass
+class Config(Served):
+    """task=decode: greedy generation with a KV cache after the prompts. ``cuda_graph``: each
+    MoE block's static decode step captured in a CUDA graph and replayed
+    (:mod:`occult.ep.graphs`; CUDA ranks and ``system.dispatch_mode=static`` only)."""
+
+    new_tokens: int = 16
+    cuda_graph: bool = False
+
+    entry: ClassVar[str] = "occult.tasks.decode.run"
+
+    def call_tokens(self) -> int:
+        """A decode step's B (its prompt runs the dynamic dispatch)."""
+        return self.batch_size
+
+    def check(self) -> None:
+        super().check()
+        at_least("new_tokens", self.new_tokens, 0)
+        if self.migration:
+            raise ConfigError("task.migration=true: task=decode would move each migrated sequence's KV cache, "
+                              "which is not implemented; allowed values here: false (migration runs with "
+                              "task=prefill and task=train)")
+
+    def check_run(self, cfg) -> None:
+        super().check_run(cfg)
+        if not self.cuda_graph:
+            return
+        import torch
+
+        from ..ep import system_config
+        from ..ep.graphs import refusal
+
+        system = system_config(cfg.system)
+        why = refusal(cfg.cluster.backend, system.is_static(),
+                      torch.cuda.is_available())
+        if why:
+            raise ConfigError(why)
 
 
 def run(ctx, spec: RunSpec) -> list:

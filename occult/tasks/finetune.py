@@ -34,6 +34,9 @@ Shapes: B sequences per rank, S sequence length, V vocabulary, T tokens, K top-k
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar, Dict
+
 import torch.nn.functional as nnf
 from torch import nn
 from tqdm import tqdm
@@ -47,8 +50,38 @@ from ..models.runtime import sync_gradients
 from ..records import row
 from ..spec import RunSpec
 from . import model as model_task
-from .options import workload_task
+from .schema import workload_task
+from .schema import Gated, Text, HeldOut, at_least
 from .training import adamw, clip_global_grad_norm, evaluate_rank_model, finetuning_schedule, rank_eval_ids
+
+
+@dataclass
+class Config(Gated, Text, HeldOut):
+    """task=finetune: Occult's modified fine-tuning, then held-out evaluation on both
+    domains (:mod:`occult.tasks.finetune`). ``tokens_per_rank``: held-out tokens per rank
+    and domain (0: the whole split); ``timing_iters``: timed prefill forwards after it."""
+
+    steps: int = 100
+    lr: float = 1e-3
+    tokens_per_rank: int = 4096
+    timing_iters: int = 0
+
+    entry: ClassVar[str] = "occult.tasks.finetune.run"
+    prepare: ClassVar[str] = "occult.tasks.finetune.prepare"
+    whole_model: ClassVar[bool] = True
+    expert_parallel_only: ClassVar[bool] = True
+
+    def check(self) -> None:
+        super().check()
+        for name in ("steps", "tokens_per_rank", "timing_iters"):
+            at_least(name, getattr(self, name), 0)
+
+    def unread(self) -> Dict[str, str]:
+        out = super().unread()
+        if not self.steps:
+            out["lr"] = "not read with task.steps=0 (no fine-tuning)"
+        return out
+
 
 GRAD_CLIP = 1.0
 FINETUNE_WEIGHT_DECAY = 0.0

@@ -12,12 +12,27 @@ Shapes: T tokens per rank, D hidden, F expert FFN, E experts, K top-k.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from ..ep import Recorder
 from ..ep.measure import iterations
 from ..ep.static import times_by_marks
 from ..spec import RunSpec
 from .common import comm_rows, parity_gate, routing_rows
 from .one_layer import build_layer, make_inputs, task_placement, time_iteration
+from .schema import Timed, Gated, Exchanges, LayerInputs, Placed
+
+
+@dataclass
+class Config(Timed, Gated, Exchanges, Placed, LayerInputs):
+    """task=layer: one MoE layer, timed per phase (:mod:`occult.tasks.layer`)."""
+
+    backward: bool = True
+    calibrate: bool = False             # measure the world's loopback first (the cost-model check)
+
+    entry: ClassVar[str] = "occult.tasks.layer.run"
+    expert_parallel_only: ClassVar[bool] = True
 
 
 def run(ctx, spec: RunSpec) -> list:

@@ -32,7 +32,7 @@ from ..records import row
 from ..spec import RunSpec
 from .common import (comm_rows, model_parity_gate, parity_gate, routing_rows, step_span_rows, step_traffic_rows,
                      timing_rows)
-from .options import Migrated, Placed
+from .schema import Migrated, Placed
 
 
 def prepare(spec: RunSpec) -> RunSpec:

@@ -5,7 +5,7 @@
 
 ``experiment=placement_study`` finds placements by running the expert-parallel model on P
 ranks, which a world of 64 to 256 ranks cannot do here. This task reads the routing of such
-a world as ``task=simulate`` does (:class:`occult.tasks.options.RoutedWorld`: the model's
+a world as ``task=simulate`` does (:class:`occult.tasks.world.RoutedWorld`: the model's
 routers, a routing trace or synthetic routing; ``task.layers``, ``task.total_tokens``), by
 default the routers on the corpus's *training* split (a profiling set, where ``simulate``
 routes the held-out text), and for every layer runs one placement optimiser
@@ -23,6 +23,9 @@ Shapes: W world tokens, K top-k, E experts, P devices.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar, Dict, Optional
+
 from pathlib import Path
 
 import torch
@@ -30,10 +33,50 @@ import torch
 from ..ep.accounting import ct_all
 from ..ep.measure import stopwatch
 from ..ep.placement import Placement
+from ..errors import ConfigError
 from ..placement import load_max_over_mean, optimise, save_placements
 from ..records import row
 from ..spec import RunSpec
 from .world import one_thread, rank_routing, task_layers, world_source
+from .world import RoutedWorld
+
+
+@dataclass
+class Config(RoutedWorld):
+    """task=place: a placement artifact for a world that is not here, in one process
+    (:mod:`occult.tasks.place`): each MoE layer's experts grouped onto ``cluster.world_size``
+    devices by ``optimiser`` (a placement optimiser, :data:`occult.placement.OPTIMISERS`) at
+    ``load_cap`` (max / mean device load; null: none), swap_search stopping after
+    ``time_limit_s`` per layer, from the routing of :class:`RoutedWorld` (by default the
+    routers on the *training* split: a profiling set, not the held-out text simulate
+    routes). Writes ``placements.json`` into the run folder, for ``system.placement_file``."""
+
+    split: str = "train"
+    optimiser: str = "swap_search"
+    load_cap: Optional[float] = 1.25
+    time_limit_s: float = 10.0
+
+    entry: ClassVar[str] = "occult.tasks.place.run"
+    uses_system: ClassVar[bool] = False          # it places experts; no system runs
+
+    def check(self) -> None:
+        super().check()
+        from ..placement import OPTIMISERS
+
+        if self.optimiser not in OPTIMISERS:
+            raise ConfigError(f"task.optimiser={self.optimiser!r}: allowed values are {sorted(OPTIMISERS)}")
+        if self.load_cap is not None and self.load_cap < 1.0:
+            raise ConfigError(f"task.load_cap={self.load_cap}: allowed values are null (no cap) or a number >= 1.0 "
+                              "(max / mean device load)")
+        if self.time_limit_s <= 0:
+            raise ConfigError(f"task.time_limit_s={self.time_limit_s}: must be > 0 seconds")
+
+    def unread(self) -> Dict[str, str]:
+        out = super().unread()
+        if self.optimiser != "swap_search":
+            out["time_limit_s"] = "read only with task.optimiser=swap_search"
+        return out
+
 
 ARTIFACT = "placements.json"
 # the synthetic stream a placement is made from (simulate draws stream 0)

@@ -30,6 +30,9 @@ Shapes: T tokens per rank, K top-k, E experts, P devices, S slots.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar, Dict, Optional
+
 from functools import lru_cache
 
 import torch
@@ -39,9 +42,63 @@ from ..ep.comm import EPGroup
 from ..ep.placement import Placement
 from ..ep.plan import RowShape, plan_world
 from ..ep.replica_rules import REPLICA_POLICIES
+from ..errors import ConfigError
 from ..records import row
 from ..spec import RunSpec
 from .world import one_thread, rank_routing, task_layers, world_source
+from .world import RoutedWorld
+
+
+@dataclass
+class Config(RoutedWorld):
+    """task=placement_load: C_T and load of every placement and replica rule for a world that
+    is computed in one process (:mod:`occult.tasks.placement_load`). The routing of
+    :class:`RoutedWorld` (the placements built from ``profiling_split``, judged on ``split``),
+    or ``max_over_mean`` > 0: the ``imbalance`` workload at that target (profiling set drawn
+    at seed + 1). Occult's optimisers run at ``load_cap``, swap_search for ``time_limit_s``
+    per layer; the affinity-aware EPLB packing at ``affinity_weight``."""
+
+    max_over_mean: float = 0.0          # > 0: the imbalance workload at this received max / mean
+    profiling_split: str = "train"
+    load_cap: Optional[float] = 1.25
+    time_limit_s: float = 2.0
+    affinity_weight: float = 0.25
+
+    entry: ClassVar[str] = "occult.tasks.placement_load.run"
+    uses_system: ClassVar[bool] = False          # it plans naive and occult itself
+
+    def check(self) -> None:
+        super().check()
+        if self.max_over_mean and self.max_over_mean < 1.0:
+            raise ConfigError(f"task.max_over_mean={self.max_over_mean}: allowed values are 0 (the routing) or "
+                              ">= 1.0 (the imbalance workload)")
+        if self.load_cap is not None and self.load_cap < 1.0:
+            raise ConfigError(f"task.load_cap={self.load_cap}: allowed values are null (no cap) or a number >= 1.0")
+        if self.time_limit_s <= 0:
+            raise ConfigError(f"task.time_limit_s={self.time_limit_s}: must be > 0 seconds")
+        if not self.affinity_weight >= 0:
+            raise ConfigError(f"task.affinity_weight={self.affinity_weight}: must be >= 0")
+
+    def unread(self) -> Dict[str, str]:
+        out = super().unread()
+        if self.max_over_mean:
+            for name in ("routing", "profiling_split", "sample_layers", "zipf_s", "trace", "source_tokens", "corpus",
+                         "split", "seq_len", "routers", "synthetic_tokens", "total_tokens"):
+                out.setdefault(name, "not read with task.max_over_mean set (the imbalance workload)")
+        elif self.routing != "router":
+            out["profiling_split"] = "read only with task.routing=router"
+        return out
+
+    def check_run(self, cfg) -> None:
+        if self.max_over_mean:
+            from ..workloads import max_over_mean_error
+            err = max_over_mean_error(self.max_over_mean, cfg.model.num_experts, cfg.model.top_k,
+                                      cfg.cluster.world_size)
+            if err:
+                raise ConfigError(err)
+            return
+        super().check_run(cfg)
+
 
 SYSTEMS = {"naive": "baselines.naive.NaiveDispatcher", "occult": "occult.collab.dispatcher.OccultDispatcher"}
 OPTIMISED = ("random", "greedy", "swap_search")

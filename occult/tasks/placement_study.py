@@ -27,14 +27,62 @@ Shapes: T tokens, K top-k, E experts, P devices.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar, List, Optional
+
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ..columns import later
 from ..ep.measure import clock
+from ..errors import ConfigError
 from ..placement.study import cap_label, judge, placement_frame, save_artifacts, study_jobs, study_rows
 from ..spec import RunSpec
+from .schema import Gated, HeldOut, at_least
+
+
+@dataclass
+class Config(Gated, HeldOut):
+    """task=placement_study: placement optimisers judged on held-out routing
+    (:mod:`occult.tasks.placement_study`). ``tokens_per_rank``: profiling tokens per rank,
+    in windows of ``seq_len`` tokens of ``corpus`` / ``split``; ``held_out_tokens``: held-out
+    tokens per rank of the corpus's validation split (null: the whole split)."""
+
+    corpus: str = "shakespeare"
+    seq_len: int = 128
+    tokens_per_rank: int = 1024
+    held_out_tokens: Optional[int] = later(None)
+    # the optimisers (occult.placement) run at every load cap (null: none; max / mean device
+    # load on the profiling set), and swap_search's time limit per (layer, cap)
+    optimisers: List[str] = later(["contiguous", "random", "greedy", "swap_search"])
+    load_caps: List[Optional[float]] = later([None, 1.25, 1.15, 1.1])
+    swap_time_limit_s: float = later(10.0)
+
+    entry: ClassVar[str] = "occult.tasks.placement_study.run"
+    prepare: ClassVar[str] = "occult.tasks.model.prepare"
+    whole_model: ClassVar[bool] = True
+    expert_parallel_only: ClassVar[bool] = True
+
+    def check(self) -> None:
+        super().check()
+        at_least("seq_len", self.seq_len, 1)
+        at_least("tokens_per_rank", self.tokens_per_rank, 1)
+        if self.held_out_tokens is not None:
+            at_least("held_out_tokens", self.held_out_tokens, 1)
+        from ..placement import OPTIMISERS
+
+        unknown = [o for o in self.optimisers if o not in OPTIMISERS]
+        if not self.optimisers or unknown:
+            raise ConfigError(f"task.optimisers={list(self.optimisers)}: allowed values are {sorted(OPTIMISERS)} "
+                              "(at least one)")
+        if not self.load_caps or any(c is not None and c < 1.0 for c in self.load_caps):
+            raise ConfigError(f"task.load_caps={list(self.load_caps)}: allowed values are null (no cap) or "
+                              "numbers >= 1.0 (max / mean device load), at least one")
+        if self.swap_time_limit_s <= 0:
+            raise ConfigError(f"task.swap_time_limit_s={self.swap_time_limit_s}: must be > 0 seconds")
+
 
 TRACE_WINDOWS_PER_BATCH = 8
 

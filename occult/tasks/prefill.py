@@ -9,8 +9,20 @@ co-executed (docs/schedules.md). The iteration, the gate and the rows:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from ..spec import RunSpec
 from .model import run_workload
+from .schema import Served
+
+
+@dataclass
+class Config(Served):
+    """task=prefill: one forward over the prompts (:mod:`occult.tasks.model`)."""
+
+
+    entry: ClassVar[str] = "occult.tasks.prefill.run"
 
 
 def run(ctx, spec: RunSpec) -> list:

@@ -19,6 +19,9 @@ Shapes: B batch, S sequence, V vocabulary, T tokens, E experts, K top-k.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import hashlib
 import json
 import logging
@@ -38,7 +41,19 @@ from ..models.families import family_of, gate_rule
 from ..records import row
 from ..schemas import ModelConf, PretrainConf, field_default, typed
 from ..spec import RunSpec
+from .schema import TaskConf
 from .training import adamw, evaluate, pretraining_schedule
+
+
+@dataclass
+class Config(TaskConf):
+    """task=pretrain: pre-train a CPU proxy (one process; its settings are the top-level
+    ``pretrain`` fields) and cache it (:mod:`occult.tasks.pretrain`)."""
+
+    entry: ClassVar[str] = "occult.tasks.pretrain.run"
+    whole_model: ClassVar[bool] = True
+    uses_system: ClassVar[bool] = False
+
 
 PRETRAIN_VERSION = 1
 PRETRAIN_WEIGHT_DECAY = 0.01

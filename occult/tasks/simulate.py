@@ -29,6 +29,9 @@ Shapes: N source tokens, W = T P world tokens, T tokens of a rank, K top-k, E ex
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import dataclasses
 
 import torch
@@ -44,6 +47,21 @@ from ..records import row
 from ..spec import RunSpec
 from .common import comm_rows, rows_per_token_row, token_rows_of
 from .world import one_thread, rank_routing, task_layers, world_source
+from .world import RoutedWorld
+
+
+@dataclass
+class Config(RoutedWorld):
+    """task=simulate: the traffic of a world that is not here (``cluster.world_size`` ranks,
+    ``cluster.devices_per_node`` a node), every rank's plan in one process
+    (:mod:`occult.tasks.simulate`), on the routing of :class:`RoutedWorld`. ``backward``:
+    plan the backward's collectives too; ``peer_rows``: a row per peer pair (false:
+    per-rank totals only)."""
+
+    backward: bool = True
+    peer_rows: bool = True
+
+    entry: ClassVar[str] = "occult.tasks.simulate.run"
 
 
 # ---------------------------------------------------------------------------

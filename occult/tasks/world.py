@@ -1,6 +1,5 @@
 """The routing of a world that is not here, computed in one process: what task=simulate,
-task=place and task=placement_load run on (their shared option group:
-:class:`occult.tasks.options.RoutedWorld`). The world is ``cluster.world_size`` ranks of
+task=place and task=placement_load run on (their shared option group: :class:`RoutedWorld`). The world is ``cluster.world_size`` ranks of
 ``task.tokens_per_rank`` tokens each (or ``task.total_tokens`` shared out); the MoE layers
 computed are :func:`task_layers`.
 
@@ -35,11 +34,12 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, ClassVar, Dict, Optional
 
 import torch
 from omegaconf import OmegaConf
 
+from ..columns import later
 from ..ep import system_config
 from ..ep.comm import EPGroup
 from ..ep.router import gate_weights
@@ -47,6 +47,87 @@ from ..errors import ConfigError
 from ..routing_traces import ROUTING_FILE, load_trace, trace_layers
 from ..spec import RunSpec
 from ..synthetic import expert_popularity, gumbel_keys, sample_router
+from .schema import TaskConf, at_least
+
+
+SIMULATED_ROUTINGS = ("router", "trace", "uniform", "zipf")
+
+
+@dataclass
+class RoutedWorld(TaskConf):
+    """The routing of a world that is not here (``cluster.world_size`` ranks), for the tasks
+    that compute it in one process (:mod:`occult.tasks.world`): the model's routers on
+    ``source_tokens`` tokens of held-out text (``router``), a run's routing trace (``trace``:
+    the run folder in ``trace``), or synthetic (``uniform``, ``zipf``); ``sample_layers``:
+    how many MoE layers to compute (0: every one; :func:`occult.tasks.world.task_layers`);
+    ``routers``: route with another model's routers (a trained proxy of a full config that
+    has none here); ``total_tokens``: the world's tokens (strong
+    scaling; 0: ``tokens_per_rank`` on every rank)."""
+
+    tokens_per_rank: int = 512          # T of every simulated rank
+    total_tokens: int = later(0)        # the world's tokens, T = total_tokens / P (0: tokens_per_rank)
+    routing: str = "router"             # router | trace | uniform | zipf
+    zipf_s: float = 1.2                 # routing=zipf
+    trace: Optional[str] = None         # routing=trace: a run folder holding routing.parquet
+    source_tokens: int = 32768          # routing=router: held-out tokens the model routes
+    corpus: str = "shakespeare"         # routing=router: the held-out text
+    split: str = "validation"
+    seq_len: int = 128
+    routers: Optional[str] = later(None)    # routing=router: the conf/model whose routers route (a trained proxy
+                                        # of the model's E and K; null: the model's own)
+    sample_layers: int = later(0)       # MoE layers computed: 0 every one, n evenly spaced (1: the middle one)
+    synthetic_tokens: int = later(0)    # uniform | zipf: 0 every rank draws its own; N: N tokens per layer,
+                                        # the world's drawn from them (with replacement where it needs more)
+
+    prepare: ClassVar[str] = "occult.tasks.model.routed_prepare"
+    expert_parallel_only: ClassVar[bool] = True
+    one_process: ClassVar[bool] = True
+    clock: ClassVar[str] = "simulated"
+
+    def check(self) -> None:
+        super().check()
+        if self.routing not in SIMULATED_ROUTINGS:
+            raise ConfigError(f"task.routing={self.routing!r}: allowed values are {list(SIMULATED_ROUTINGS)}")
+        if self.zipf_s < 0:
+            raise ConfigError(f"task.zipf_s={self.zipf_s}: must be >= 0 (0 is uniform routing; larger is more skewed)")
+        for name in ("tokens_per_rank", "source_tokens", "seq_len"):
+            at_least(name, getattr(self, name), 1)
+        at_least("total_tokens", self.total_tokens, 0)
+        if self.routing == "trace" and not self.trace:
+            raise ConfigError("task.trace is not set: task.routing=trace needs a run folder holding routing.parquet "
+                              "(a run with task.save_routing=true)")
+        at_least("sample_layers", self.sample_layers, 0)
+        at_least("synthetic_tokens", self.synthetic_tokens, 0)
+
+    def unread(self) -> Dict[str, str]:
+        out = super().unread()
+        if self.routing != "zipf":
+            out["zipf_s"] = "read only with task.routing=zipf"
+        if self.routing != "trace":
+            out["trace"] = "read only with task.routing=trace"
+        if self.routing != "router":
+            for name in ("source_tokens", "corpus", "split", "seq_len", "routers"):
+                out[name] = "read only with task.routing=router"
+        if self.routing not in ("uniform", "zipf"):
+            out["synthetic_tokens"] = "read only with task.routing=uniform or zipf"
+        if self.total_tokens:
+            out["tokens_per_rank"] = "not read with task.total_tokens set (tokens per rank = total_tokens / world size)"
+        return out
+
+    def check_run(self, cfg) -> None:
+        check_source(self, cfg)
+
+    def columns(self, world_size: int) -> Dict[str, Any]:
+        out = super().columns(world_size)
+        if self.total_tokens:
+            out["tokens_per_rank"] = self.total_tokens // world_size
+        return out
+
+    def replayed_trace(self) -> Optional[str]:
+        return self.trace if self.routing == "trace" else None
+
+    def routers_model_name(self) -> Optional[str]:
+        return self.routers
 
 
 def moe_layers(m) -> list:
