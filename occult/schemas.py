@@ -105,6 +105,11 @@ def typed(schema: type, conf):
     return OmegaConf.merge(OmegaConf.structured(schema), conf)
 
 
+def plain(conf) -> dict:
+    """``conf`` (a typed config, a DictConfig or a dict) as plain containers, resolved."""
+    return OmegaConf.to_container(OmegaConf.create(conf), resolve=True)
+
+
 def field_default(schema: type, name: str):
     """The default of field ``name`` of the dataclass ``schema`` (declared there, once)."""
     f = {f.name: f for f in dataclasses.fields(schema)}[name]

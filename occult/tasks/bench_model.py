@@ -10,10 +10,9 @@ checked against the single-device reference; then the systems' iterations altern
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import ClassVar, Dict
-
-import copy
 
 from ..ep import Recorder
 from ..ep.measure import barrier, iterations

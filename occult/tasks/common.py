@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-from omegaconf import OmegaConf
 
 from ..ep import Placement, Recorder, system_config
 from ..ep.accounting import TokenDevices, token_devices
@@ -13,7 +12,7 @@ from ..ep.measure import gather_objects, sum_over_ranks
 from ..models.families import family_of, gate_rule
 from ..parity import TOLERANCE, LayerCase, check_layer, check_model, disagreements
 from ..records import row
-from ..schemas import ModelConf, typed
+from ..schemas import ModelConf, plain, typed
 
 
 def parity_gate(ctx, cfg, system, routing: str, placement: Optional[Placement] = None) -> list:
@@ -105,11 +104,10 @@ def model_parity_gate(ctx, cfg, system, placements: Optional[dict] = None, wrap:
     schedule = t.schedule()
     batch = max(schedule["microbatches"], 2) if "microbatches" in schedule else 2
     seq_len = max(2, t.parity_tokens // batch)
-    model = OmegaConf.to_container(OmegaConf.create(cfg.model), resolve=True)     # a typed config or a dict
-    cfg_dict = {"model": {**model, "dtype": "float64"}, "seed": cfg.seed, "task": schedule}
+    job = {"model": {**plain(cfg.model), "dtype": "float64"}, "seed": cfg.seed, "task": schedule}
     tol = MODEL_TOLERANCE[config.precision]
     trains = t.trains()
-    res = check_model(ctx, cfg_dict, batch, seq_len, placements=placements, system=config, wrap=wrap,
+    res = check_model(ctx, job, batch, seq_len, placements=placements, system=config, wrap=wrap,
                       forward_tolerance=tol, backward=trains)
     bad = {k: v for k, v in res["errors"].items() if not v <= tol}
     if bad or not res["forward_agrees"]:

@@ -24,9 +24,8 @@ Shapes: W world tokens, K top-k, E experts, P devices.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Dict, Optional
-
 from pathlib import Path
+from typing import ClassVar, Dict, Optional
 
 import torch
 

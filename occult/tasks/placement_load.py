@@ -31,9 +31,8 @@ Shapes: T tokens per rank, K top-k, E experts, P devices, S slots.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Dict, Optional
-
 from functools import lru_cache
+from typing import ClassVar, Dict, Optional
 
 import torch
 

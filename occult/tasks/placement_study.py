@@ -28,9 +28,8 @@ Shapes: T tokens, K top-k, E experts, P devices.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, List, Optional
-
 from pathlib import Path
+from typing import ClassVar, List, Optional
 
 import torch
 import torch.distributed as dist

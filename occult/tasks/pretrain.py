@@ -19,19 +19,16 @@ Shapes: B batch, S sequence, V vocabulary, T tokens, E experts, K top-k.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import hashlib
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn.functional as nnf
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ..data.batches import batch_iterator, token_ids, unigram_loss
@@ -39,7 +36,7 @@ from ..data.tokenizer import get_tokenizer
 from ..models.build import RouterTap, hf_config, init_model, moe_blocks, save_checkpoint
 from ..models.families import family_of, gate_rule
 from ..records import row
-from ..schemas import ModelConf, PretrainConf, field_default, typed
+from ..schemas import ModelConf, PretrainConf, field_default, plain, typed
 from ..spec import RunSpec
 from .schema import TaskConf
 from .training import adamw, evaluate, pretraining_schedule
@@ -73,8 +70,7 @@ LATER_TRAIN_FIELDS = ("eval_batches",)
 
 def proxy_dir(cfg) -> Path:
     """Where the proxy trained with these settings is cached (a hash of them names it)."""
-    m = OmegaConf.to_container(OmegaConf.create(typed(ModelConf, cfg.model)), resolve=True)
-    t = OmegaConf.to_container(OmegaConf.create(typed(PretrainConf, cfg.pretrain)), resolve=True)
+    m, t = plain(typed(ModelConf, cfg.model)), plain(typed(PretrainConf, cfg.pretrain))
     arch = {k: m[k] for k in ARCH_FIELDS}
     arch.update({k: m[k] for k in LATER_ARCH_FIELDS if m[k] != field_default(ModelConf, k)})
     train = {k: t[k] for k in TRAIN_FIELDS}

@@ -29,7 +29,6 @@ Shapes: N source tokens, W = T P world tokens, T tokens of a rank, K top-k, E ex
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,7 +36,6 @@ from pathlib import Path
 from typing import Any, ClassVar, Dict, Optional
 
 import torch
-from omegaconf import OmegaConf
 
 from ..columns import later
 from ..ep import system_config
@@ -45,6 +43,7 @@ from ..ep.comm import EPGroup
 from ..ep.router import gate_weights
 from ..errors import ConfigError
 from ..routing_traces import ROUTING_FILE, load_trace, trace_layers
+from ..schemas import ModelConf, plain, typed
 from ..spec import RunSpec
 from ..synthetic import expert_popularity, gumbel_keys, sample_router
 from .schema import TaskConf, at_least
@@ -203,7 +202,7 @@ def check_world(task, cfg) -> None:
     P = cfg.cluster.world_size
     if task.routing == "router" and task.routers:
         m = cfg.model
-        r = _model_yaml(task.routers, m)
+        r = _model_yaml(task.routers)
         if not r.family:
             raise ConfigError(f"task.routers={task.routers}: a layer-only config has no routers; give a whole model "
                               "(a trained proxy)")
@@ -249,9 +248,9 @@ def routers_spec(spec: RunSpec) -> RunSpec:
     return spec.with_model(spec.routers_model)
 
 
-def _model_yaml(name: str, model):
-    """``conf/model/<name>.yaml`` through the schema of ``model`` (the run's model config,
-    typed): its defaults filled in, a one-line error for a missing file or a bad field."""
+def _model_yaml(name: str):
+    """``conf/model/<name>.yaml`` through the model's schema (its defaults filled in), a
+    one-line error for a missing file or a bad field."""
     import yaml
 
     from .. import CONF_DIR
@@ -259,9 +258,8 @@ def _model_yaml(name: str, model):
     if not path.is_file():
         names = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
         raise ConfigError(f"task.routers={name}: no such model config; available: {', '.join(names)}")
-    schema = type(model) if dataclasses.is_dataclass(model) else OmegaConf.get_type(model)
     try:
-        return OmegaConf.merge(OmegaConf.structured(schema), yaml.safe_load(path.read_text()) or {})
+        return typed(ModelConf, yaml.safe_load(path.read_text()) or {})
     except Exception as exc:  # noqa: BLE001 - an OmegaConf error: one line naming the field
         raise ConfigError(f"task.routers={name}: {str(exc).splitlines()[0]}") from exc
 
@@ -321,7 +319,7 @@ def routing_key(cfg) -> str:
             h.update(f.read_bytes())
         digest = h.hexdigest()
     t = cfg.task
-    key = {"checkpoint": digest, "model": OmegaConf.to_container(OmegaConf.create(cfg.model), resolve=True),
+    key = {"checkpoint": digest, "model": plain(cfg.model),
            "corpus": t.corpus,
            "split": t.split, "source_tokens": t.source_tokens, "seq_len": t.seq_len, "seed": cfg.seed,
            "tokenizer_vocab": cfg.pretrain.tokenizer_vocab}
