@@ -63,10 +63,10 @@ def test_a_setting_is_declared_once():
 
 
 def _context(*overrides):
-    from occult.runner import run_context
+    from occult.runner import build_spec, run_context
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return run_context(compose("config", overrides=list(overrides)), {}, "d")
+        return run_context(build_spec(compose("config", overrides=list(overrides)), ".", "d"))
 
 
 def test_every_setting_is_a_column_of_every_row():
