@@ -21,7 +21,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from .columns import setting_values
-from .config import later_keys, setting_columns
+from .config import later_keys, read_conf, setting_columns
 from .dist import WHOLE_MODEL_PRELOAD, RankFailed, broadcast_from_rank0, job_world, join_job_world, launch
 from .ep import import_object, system_config
 from .ep.measure import clock_name
@@ -49,8 +49,6 @@ def build_spec(cfg: DictConfig, out_dir, digest: str) -> RunSpec:
     model, cluster, pre-training, task and system configs (no system where the task runs
     none), the run folder and digest, and the model of ``task.routers`` where the task has
     one. Made once; a task's ``prepare`` adds what it resolves."""
-    from .config import read_conf
-
     task = task_config(cfg.task)
     routers = task.routers_model_name()
     return RunSpec(model=OmegaConf.to_object(cfg.model), cluster=OmegaConf.to_object(cfg.cluster), task=task,
