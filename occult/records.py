@@ -7,10 +7,9 @@ routing trace, "" for none), batch_size, seq_len, seed, config_hash), the run's 
 schema fields declared as columns, :mod:`occult.columns`, each with the value a run without
 the field writes: ``system.dispatch_mode``, ``task.grad_sync``, ``task.microbatches``,
 ``task.migration`` (Luffy's sequence migration), ``task.placement`` (contiguous, eplb or an
-artifact)), the
-measurement (layer, rank, phase, pass, metric, value, unit, sample, src_rank, dst_rank, expert)
-and provenance (git_commit, torch_version, device, hostname, time, clock, launcher). A
-setting is a column, never a metric row.
+artifact)), the measurement (layer, rank, phase, pass, metric, value, unit, sample, src_rank,
+dst_rank, expert) and provenance (git_commit, torch_version, device, hostname, time, clock,
+launcher). A setting is a column, never a metric row.
 
 ``run_id`` is unique per composed config: readable fields and ``config_hash``, a
 digest of the composed config (:func:`config_hash`); ``system_options`` is the
