@@ -480,11 +480,13 @@ class FinetuneTask(Gated, Text, HeldOut):
 class PlacementStudyTask(Gated, HeldOut):
     """task=placement_study: placement optimisers judged on held-out routing
     (:mod:`occult.tasks.placement_study`). ``tokens_per_rank``: profiling tokens per rank,
-    in windows of ``seq_len`` tokens of ``corpus`` / ``split``."""
+    in windows of ``seq_len`` tokens of ``corpus`` / ``split``; ``held_out_tokens``: held-out
+    tokens per rank of the corpus's validation split (null: the whole split)."""
 
     corpus: str = "shakespeare"
     seq_len: int = 128
     tokens_per_rank: int = 1024
+    held_out_tokens: Optional[int] = later(None)
     # the optimisers (occult.placement) run at every load cap (null: none; max / mean device
     # load on the profiling set), and swap_search's time limit per (layer, cap)
     optimisers: List[str] = later(["contiguous", "random", "greedy", "swap_search"])
@@ -500,6 +502,8 @@ class PlacementStudyTask(Gated, HeldOut):
         super().check()
         _at_least("seq_len", self.seq_len, 1)
         _at_least("tokens_per_rank", self.tokens_per_rank, 1)
+        if self.held_out_tokens is not None:
+            _at_least("held_out_tokens", self.held_out_tokens, 1)
         from ..placement import OPTIMISERS
 
         unknown = [o for o in self.optimisers if o not in OPTIMISERS]
