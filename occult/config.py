@@ -85,7 +85,7 @@ class PretrainConf:
     eval_every: int = 250
     # the held-out figures after training (loss, accuracy, expert loads): the first N batches of
     # 16 validation windows (null: the whole validation split, about 100 batches of the shakespeare corpus)
-    eval_batches: Optional[int] = None
+    eval_batches: Optional[int] = later(None)
     # CPU threads of the pre-training process: float sums are ordered by the thread count,
     # so the checkpoint is bit-for-bit the same on one machine only at the same count
     threads: int = 2
@@ -212,13 +212,13 @@ def _task_schema_of(path: Path):
 
 
 def schemas(conf_dirs: Sequence[Path] = ()) -> dict:
-    """``{group: [schema class, ...]}`` of the run's groups: the cluster's and the model's
-    schemas, every system's and every task's (of ``conf/`` and ``conf_dirs``; one that cannot
+    """``{group: [schema class, ...]}`` of the run's groups: the cluster's, the model's and
+    pre-training's schemas, every system's and every task's (of ``conf/`` and ``conf_dirs``; one that cannot
     be imported is left out, as validation reports it)."""
     dirs = [CONF_DIR, *conf_dirs]
     found = {"system": [_schema_of(p) for p in system_yamls(dirs).values()],
              "task": [_task_schema_of(p) for p in group_yamls(dirs, "task").values()]}
-    return {"cluster": [ClusterConf], "model": [ModelConf],
+    return {"cluster": [ClusterConf], "model": [ModelConf], "pretrain": [PretrainConf],
             **{group: list(dict.fromkeys(c for c in classes if c is not None)) for group, classes in found.items()}}
 
 

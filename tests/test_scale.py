@@ -87,7 +87,7 @@ def test_a_synthetic_source_is_drawn_once_and_resampled_for_a_larger_world():
     rows = simulated_rows("cluster.world_size=4", "task.tokens_per_rank=32", "task.synthetic_tokens=64",
                           "task.peer_rows=false", "task.backward=false")
     flag = lambda name: float(rows[rows.metric == name].value.iloc[0])
-    assert flag("source_tokens") == 64 and flag("resampled_tokens") == 1.0
+    assert flag("source_size") == 64 and flag("resampled_tokens") == 1.0
     assert rows[(rows.metric == "tokens") & (rows["rank"] == -1)].value.iloc[0] == 128
 
 
