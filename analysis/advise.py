@@ -38,7 +38,8 @@ import numpy as np
 import pandas as pd
 
 from occult.config import CONF_DIR, read_conf
-from occult.ep.links import ELEMENT_BYTES, load_profile
+from occult.ep.links import ELEMENT_BYTES
+from occult.ep.profiles import load_profile
 
 from .figures.scale_study import point_table, strategy_of
 from .load import load_runs

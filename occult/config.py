@@ -15,7 +15,7 @@ The YAML files under ``conf/`` fill these in. Every group has its schema:
 * ``model``, ``cluster`` (runnable worlds), ``pretrain``: the dataclasses below.
 * ``profile`` (``conf/profile/sim_*.yaml``): projection profiles of clusters that are not
   here; never run on. Their schema, :class:`ProfileConf`, lives beside their one reader
-  (:mod:`occult.ep.links`), below the systems that read profiles at run time.
+  (:mod:`occult.ep.profiles`), below the systems that read profiles at run time.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from . import CONF_DIR
-from .ep.links import ProfileConf  # noqa: F401 - the profile group's schema, with the reader below systems
+from .ep.profiles import ProfileConf  # noqa: F401 - the profile group's schema, with the reader below systems
 
 
 @dataclass
