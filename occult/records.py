@@ -59,7 +59,9 @@ LATER_KEYS = {"cluster.devices_per_node": 0, "cluster.single_rank_collectives": 
               "task.placement": "contiguous", "task.num_redundant": 0,
               # micro-batch co-execution and the gradient sync's schedule (issue 28)
               "task.microbatches": 1, "task.grad_sync": "end",
-              "task.migration": False}
+              "task.migration": False,
+              # an experiment's capability-selected systems (occult.config.RunConf.selected_systems)
+              "selected_systems": {}}
 # tables written before a column existed: the value their runs had (``dtype``: the harness's
 # default element type; runs in bfloat16 then were the GPU check's)
 LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32", "trace_sha256": "", "placement": "", "migration": False,
