@@ -95,6 +95,7 @@ def toy(tmp_path, monkeypatch):
     yield tmp_path
     for module in ("toy_split", "toy_sub"):
         sys.modules.pop(module, None)
+    register()          # the registered systems: conf/'s again
 
 
 CAPABILITIES = TOY_CLASS[TOY_CLASS.index("    capabilities = "):TOY_CLASS.index("    @dataclass")]
@@ -124,6 +125,44 @@ def test_adding_the_toy_system_adds_its_row_to_the_capability_table_and_nothing_
     assert [line for line in after if "`toy`" not in line] == before
     assert [line for line in after if "`toy`" in line][0].startswith("| `toy` | harness | float64 | yes | yes | yes |")
     assert "- `toy`, traffic plan: it does not implement Dispatcher.plan." in after
+
+
+def test_the_toy_system_joins_the_palette_the_systems_table_and_the_capability_selected_experiments(toy):
+    """Registered from its folder alone, the toy has a colour and marker of its own (the paper's
+    systems keep theirs), a row in the README's systems table, a place in the experiments that
+    select every exact system by capability (resolved when composed, kept in the config); a
+    query it fails leaves it out (the advisor's, which needs a traffic plan, too)."""
+    from omegaconf import OmegaConf
+
+    from analysis.advise import candidates
+    from analysis.plots import SYSTEM_COLORS, system_styles
+    from occult.capability_table import README, README_BEGIN, README_END, readme_table, with_table
+
+    committed = README.read_text()
+    assert with_table(committed, readme_table(), README_BEGIN, README_END) == committed, \
+        "README.md's systems table is not conf/system's: make docs-systems"
+    before = system_styles()
+    register([toy / "conf"])
+    styles = system_styles()
+    assert "toy" not in before and {s: styles[s] for s in before} == before
+    assert styles["toy"][0] not in {c for s, (c, _) in styles.items() if s != "toy"}
+    assert all(styles[s][0] == c for s, c in SYSTEM_COLORS.items())
+    rows = readme_table([toy / "conf"]).splitlines()
+    assert [r for r in rows if "`toy`" not in r] == readme_table().splitlines()
+    assert "| `toy` | harness | yes | A toy system (tests/test_house.py). |" in rows
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=strategies"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    for grid, selected in (("m", "exact"), ("b8", "bytes")):
+        assert "toy" in params[f"{grid}/system"].split(",") and params[f"{grid}/system"] == cfg.selected_systems[selected]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):      # a point of grid m
+        point = compose("config", overrides=[f"hydra.searchpath=[file://{toy / 'conf'}]", "experiment=strategies",
+                                             "system=toy", "+selected_systems.static="
+                                             "${systems_with:static_dispatch}"])
+    recorded = hashed_config(OmegaConf.to_container(point, resolve=True))         # run_config.json's
+    assert "toy" in recorded["selected_systems.exact"].split(",") and recorded["system.name"] == "toy"
+    assert recorded["selected_systems.static"] == "naive,occult,occult_placed,occult_prune_score,occult_prune_sim"
+    assert "toy" not in candidates() and "naive" in candidates()     # the advisor simulates plans: the toy has none
 
 
 def run_py(*args, env=None, check=True, timeout=400):
