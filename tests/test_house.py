@@ -129,18 +129,21 @@ def test_adding_the_toy_system_adds_its_row_to_the_capability_table_and_nothing_
 
 def test_the_toy_system_joins_the_palette_the_systems_table_and_the_capability_selected_experiments(toy):
     """Registered from its folder alone, the toy has a colour and marker of its own (the paper's
-    systems keep theirs), a row in the README's systems table, a place in the experiments that
+    systems keep theirs), a row in the systems tables (README, docs), a place in the experiments that
     select every exact system by capability (resolved when composed, kept in the config); a
     query it fails leaves it out (the advisor's, which needs a traffic plan, too)."""
     from omegaconf import OmegaConf
 
     from analysis.advise import candidates
     from analysis.plots import SYSTEM_COLORS, system_styles
-    from occult.capability_table import README, README_BEGIN, README_END, readme_table, with_table
+    from occult.capability_table import (DOC, DOCS_BEGIN, DOCS_END, README, README_BEGIN, README_END, docs_table,
+                                         readme_table, with_table)
 
-    committed = README.read_text()
-    assert with_table(committed, readme_table(), README_BEGIN, README_END) == committed, \
-        "README.md's systems table is not conf/system's: make docs-systems"
+    for path, block, begin, end in ((README, readme_table, README_BEGIN, README_END),
+                                    (DOC, docs_table, DOCS_BEGIN, DOCS_END)):
+        committed = path.read_text()
+        assert with_table(committed, block(), begin, end) == committed, f"{path.name}'s systems table is not " \
+            "conf/system's: make docs-systems"
     before = system_styles()
     register([toy / "conf"])
     styles = system_styles()
@@ -150,6 +153,9 @@ def test_the_toy_system_joins_the_palette_the_systems_table_and_the_capability_s
     rows = readme_table([toy / "conf"]).splitlines()
     assert [r for r in rows if "`toy`" not in r] == readme_table().splitlines()
     assert "| `toy` | harness | yes | A toy system (tests/test_house.py). |" in rows
+    rows = docs_table([toy / "conf"]).splitlines()
+    assert [r for r in rows if "`toy`" not in r] == docs_table().splitlines()
+    assert "| `toy` | harness | A toy system (tests/test_house.py). |" in rows
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["experiment=strategies"], return_hydra_config=True)
     params = cfg.hydra.sweeper.params
