@@ -35,6 +35,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from . import CONF_DIR
+from .columns import later
 from .ep.profiles import ProfileConf  # noqa: F401 - the profile group's schema, with the reader below systems
 
 
@@ -109,10 +110,10 @@ class ClusterConf:
     # ranks per node (0: every rank in one node): node n holds ranks [n G, (n + 1) G); systems
     # that stage their exchange by node (system=hierarchical) read it, the analysis splits
     # bytes into intra- and inter-node by it
-    devices_per_node: int = 0
+    devices_per_node: int = later(0)
     # at world size 1, run the backend's collectives (the rank sends to itself) instead of local
     # copies: make gpu-check's one-GPU NCCL world (NCCL refuses two ranks on one GPU)
-    single_rank_collectives: bool = False
+    single_rank_collectives: bool = later(False)
     run_timeout_s: float = 3600.0       # whole run
     collective_timeout_s: float = 300.0
 
@@ -133,7 +134,7 @@ class RunConf:
     report_options: Dict[str, Any] = field(default_factory=dict)   # {builder: {option: value}}: its knobs
     # {name: the systems a capability query selected, comma-separated}: an experiment's
     # ``${systems_with:...}`` (see the module docstring), which its sweep's grids read
-    selected_systems: Dict[str, str] = field(default_factory=dict)
+    selected_systems: Dict[str, str] = later({})     # (added after results were first written)
 
 
 GROUP_SCHEMAS = {"model": ModelConf, "cluster": ClusterConf, "profile": ProfileConf}
@@ -217,6 +218,17 @@ def _task_schema_of(path: Path):
         return task_schema((yaml.safe_load(path.read_text()) or {}).get("schema", ""))
     except ConfigError:
         return None
+
+
+def schemas(conf_dirs: Sequence[Path] = ()) -> dict:
+    """``{group: [schema class, ...]}`` of the run's groups: the cluster's and the model's
+    schemas, every system's and every task's (of ``conf/`` and ``conf_dirs``; one that cannot
+    be imported is left out, as validation reports it)."""
+    dirs = [CONF_DIR, *conf_dirs]
+    found = {"system": [_schema_of(p) for p in system_yamls(dirs).values()],
+             "task": [_task_schema_of(p) for p in group_yamls(dirs, "task").values()]}
+    return {"cluster": [ClusterConf], "model": [ModelConf],
+            **{group: list(dict.fromkeys(c for c in classes if c is not None)) for group, classes in found.items()}}
 
 
 # the config folders the last register() added to conf/ (a user's, on hydra.searchpath)

@@ -59,7 +59,7 @@ LATER_KEYS = {"cluster.devices_per_node": 0, "cluster.single_rank_collectives": 
               "task.placement": "contiguous", "task.num_redundant": 0,
               # micro-batch co-execution and the gradient sync's schedule (issue 28)
               "task.microbatches": 1, "task.grad_sync": "end",
-              "task.migration": False,
+              "task.migration": False, "task.held_out_tokens": None,
               # an experiment's capability-selected systems (occult.config.RunConf.selected_systems)
               "selected_systems": {}}
 # tables written before a column existed: the value their runs had (``dtype``: the harness's

@@ -57,6 +57,7 @@ SHRINK = (
     ("task.timing_iters", 1),
     ("task.time_limit_s", 0.2),
     ("task.swap_time_limit_s", 0.2),
+    ("task.held_out_tokens", 64),
     ("pretrain.steps", 2),
     ("pretrain.batch_size", 2),
     ("pretrain.eval_batches", 1),

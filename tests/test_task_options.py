@@ -22,6 +22,7 @@ EVERY_FIELD = ["tokens_per_rank", "routing", "zipf_s", "warmup", "iters", "backw
                "steps", "timing_iters", "save_routing", "compare", "workload", "parity_tokens", "entry", "prepare",
                "expert_parallel_only", "whole_model",
                "optimisers", "load_caps", "swap_time_limit_s",     # the placement study's knobs, once constants
+               "held_out_tokens",                                   # the placement study's held-out bound
                "trace", "source_tokens", "peer_rows",              # task=simulate's routing source and rows
                "max_over_mean", "incast_device", "incast_share",    # the load workloads (issue 26)
                "placement", "num_redundant",                        # EPLB's slot placements

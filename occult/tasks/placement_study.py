@@ -5,7 +5,8 @@ On the trained proxy and P = ``cluster.world_size`` ranks, the expert-parallel m
 
 * a profiling set: ``task.tokens_per_rank`` tokens per rank of seeded random windows of
   ``task.corpus`` / ``task.split`` (shakespeare train), and
-* held-out tokens: the whole validation split of ``task.corpus``, split evenly over ranks,
+* held-out tokens: the validation split of ``task.corpus``, split evenly over ranks (at
+  most ``task.held_out_tokens`` per rank, whole windows; null: the whole split),
 
 and the recorder keeps every token's top-k ids per MoE layer (and its home rank). Every
 optimiser of ``task.optimisers`` then runs at every load cap of ``task.load_caps``
@@ -82,7 +83,8 @@ def collect_traces(ctx, cfg) -> tuple[dict, dict, torch.Tensor]:
     per_batch = min(TRACE_WINDOWS_PER_BATCH, windows)
     prof = list(batch_iterator(train_ids, per_batch, t.seq_len, seed=cfg.seed * 1000 + ctx.rank + 1,
                                num_batches=-(-windows // per_batch)))
-    held_N = rank_eval_ids(ctx, token_ids(t.corpus, "validation", tok), t.seq_len, 0)
+    held_bound = 0 if t.held_out_tokens is None else t.held_out_tokens       # rank_eval_ids' 0: the whole split
+    held_N = rank_eval_ids(ctx, token_ids(t.corpus, "validation", tok), t.seq_len, held_bound)
     held = list(eval_batches(held_N, TRACE_WINDOWS_PER_BATCH, t.seq_len))
     if ctx.rank == 0:
         print(f"placement study: tracing {windows * t.seq_len} profiling and {held_N.numel() - 1} held-out "
