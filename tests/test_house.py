@@ -286,6 +286,9 @@ BAD_INPUT = [
     # a sweep whose prefill point cannot take decode's option: refused before any point runs
     (["-m", "task=decode,prefill", "model=olmoe_proxy", "task.new_tokens=4"],
      "error: task.new_tokens: task=prefill does not read it; its fields: "),
+    # a capability query with a term that is no capability: refused where the sweep is composed
+    (["-m", "experiment=modern_models", "selected_systems.exact=${systems_with:exact_forward, fast}"],
+     "error: systems_with: 'fast': a term is <capability>, not <capability> or except <system>; capabilities: "),
 ]
 
 
