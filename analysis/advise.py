@@ -186,7 +186,8 @@ def simulate(req: Request, out: Path) -> pd.DataFrame:
     for s in req.systems:
         t0 = time.perf_counter()
         run_point(["task=simulate", *base, f"task.tokens_per_rank={req.tokens_per_rank}",
-                   *point_overrides(s, out / "place", req.profile), f"task.backward={'true' if req.phase == 'train' else 'false'}",
+                   *point_overrides(s, out / "place", req.profile),
+                   f"task.backward={'true' if req.phase == 'train' else 'false'}",
                    "task.peer_rows=false", f"label={req.phase}"], out / s)
         print(f"  simulated {s} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return load_runs([out / s for s in req.systems])
