@@ -47,6 +47,15 @@ RESULTS_FILE = "results.parquet"
 RUN_CONFIG_FILE = "run_config.json"      # the composed config the results belong to (resume checks it)
 # keys of the composed config that do not change a run's results (left out of its hash)
 NOT_HASHED = ("resume", "out_dir", "report", "report_options", "cluster.run_timeout_s", "cluster.collective_timeout_s")
+# keys recorded with the config (run_config.json) but neither hashed nor compared on resume: the
+# systems a capability query selected name a sweep's points, never what one point computes (a
+# system added later must not make every finished point refuse to resume)
+RECORDED_ONLY = ("selected_systems",)
+
+
+def _compared(hashed: dict) -> dict:
+    """``hashed`` without the :data:`RECORDED_ONLY` keys: what a digest and a resume compare."""
+    return {k: v for k, v in hashed.items() if not any(k == n or k.startswith(n + ".") for n in RECORDED_ONLY)}
 # tables written before a column existed: the value their runs had (``dtype``: the harness's
 # default element type; runs in bfloat16 then were the GPU check's); the settings' columns
 # read as what such a table held of them elsewhere (:func:`analysis.load.settings_as_columns`)
@@ -125,7 +134,7 @@ def without_later(hashed: dict, later: dict) -> dict:
 
 def config_hash(hashed: dict) -> str:
     """A short digest of :func:`hashed_config` (canonical JSON, sorted keys)."""
-    text = json.dumps(hashed, sort_keys=True, default=str)
+    text = json.dumps(_compared(hashed), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -133,7 +142,7 @@ def config_diff(stored: dict, current: dict, later: dict) -> list:
     """Keys whose values differ between two hashed configs, as ``key: a -> b`` (a key at its
     ``later`` value counts as absent: a config stored before the key existed held it;
     :func:`without_later`)."""
-    stored, current = without_later(stored, later), without_later(current, later)
+    stored, current = without_later(_compared(stored), later), without_later(_compared(current), later)
     keys = sorted(set(stored) | set(current))
     missing = "<absent>"
     return [f"{k}: {stored.get(k, missing)!r} -> {current.get(k, missing)!r}" for k in keys
