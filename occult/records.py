@@ -51,15 +51,15 @@ NOT_HASHED = ("resume", "out_dir", "report", "report_options", "cluster.run_time
 # systems a capability query selected name a sweep's points, never what one point computes (a
 # system added later must not make every finished point refuse to resume)
 RECORDED_ONLY = ("selected_systems",)
+# tables written before a column existed: the value their runs had (``dtype``: the harness's
+# default element type; runs in bfloat16 then were the GPU check's); the settings' columns
+# read as what such a table held of them elsewhere (:func:`analysis.load.settings_as_columns`)
+LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32", "trace_sha256": "", "expert": -1}
 
 
 def _compared(hashed: dict) -> dict:
     """``hashed`` without the :data:`RECORDED_ONLY` keys: what a digest and a resume compare."""
     return {k: v for k, v in hashed.items() if not any(k == n or k.startswith(n + ".") for n in RECORDED_ONLY)}
-# tables written before a column existed: the value their runs had (``dtype``: the harness's
-# default element type; runs in bfloat16 then were the GPU check's); the settings' columns
-# read as what such a table held of them elsewhere (:func:`analysis.load.settings_as_columns`)
-LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32", "trace_sha256": "", "expert": -1}
 
 
 def row(metric: str, value: float, unit: str, *, layer: int = -1, rank: int = -1, phase: str = "",

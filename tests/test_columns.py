@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 
 from occult.columns import column, columns_of, later, later_keys_of
 from occult.config import CONF_DIR, later_keys, register, schemas, setting_columns
-from occult.records import COLUMNS, CONTEXT_COLUMNS, config_hash, hashed_config, make_frame, row, without_later
+from occult.records import COLUMNS, CONTEXT_COLUMNS, hashed_config, make_frame, row, without_later
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "old_57d74c1"
 
@@ -45,12 +45,13 @@ def test_the_later_keys_are_the_fields_declarations_and_those_of_57d74c1():
     assert hashed({"microbatches": 2}) == {"task.microbatches": 2}
 
 
-def test_a_run_folder_written_at_57d74c1_resumes():
-    """The config a 57d74c1 run stored (the fixture's mb2_overlap run: its run_config.json)
-    hashes as today's same command: the run is skipped, not refused."""
-    import json
-    from occult.runner import run_hashed_config
-    stored = json.loads((FIXTURE / "run_config.json").read_text())
+def test_a_run_folder_written_at_57d74c1_resumes(tmp_path):
+    """A 57d74c1 run folder (the fixture's table and the config its mb2_overlap run stored)
+    holds the results of today's same command: the run is skipped, not refused."""
+    import shutil
+    from occult.runner import already_done, run_hashed_config
+    _old_table(tmp_path)
+    shutil.copy(FIXTURE / "run_config.json", tmp_path / "run_config.json")
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[
@@ -58,8 +59,7 @@ def test_a_run_folder_written_at_57d74c1_resumes():
             "model.num_layers=2", "cluster=cpu4", "task=train", "system=naive", "task.warmup=0", "task.iters=2",
             "task.batch_size=2", "task.seq_len=16", "task.parity_tokens=8", "experiment_name=fixture_57d74c1",
             "task.microbatches=2", "task.grad_sync=overlap", "label=mb2_overlap"])
-    hashed = run_hashed_config(cfg)
-    assert (hashed, config_hash(hashed)) == (stored["config"], stored["config_hash"])
+    assert already_done(tmp_path, run_hashed_config(cfg))
 
 
 def test_a_setting_is_declared_once():
