@@ -897,3 +897,30 @@ def test_report_words_and_tables_a_person_reads(tmp_path):
     lines = section_lines(Section("t", data=[("curves", long)]), tmp_path)
     assert "**curves**: 100 rows in [curves.csv](curves.csv)" in "\n".join(lines) and "| 99 " not in "\n".join(lines)
     assert len(pd.read_csv(tmp_path / "curves.csv")) == 100
+
+
+def test_a_summary_tells_apart_rows_that_differ_in_a_task_setting_or_in_one_systems_options(tmp_path):
+    """Rows that differ only in a task setting no column shows (fine-tuning steps 0 and 100, as
+    in experiment=lossy_front) show it; a system's options are compared with its own other
+    configs only (naive's defaults are not listed because occult's differ)."""
+    import json
+
+    from analysis.sections import readable
+    from analysis.summary import run_table
+    from occult.records import CONTEXT_COLUMNS, make_frame, row, write_results, write_run_config
+
+    def one(name, system, options, steps):
+        context = {c: 0 for c in CONTEXT_COLUMNS}
+        context.update(run_id=f"x/{name}", experiment="x", system=system, impl="harness", label="", model="m",
+                       system_options=json.dumps(options), init="random", task="finetune", cluster="cpu4",
+                       routing="router", clock="host", tokens_per_rank=8)
+        write_results(make_frame([row("ct_all", 2.0, "devices/token")], context), tmp_path / name)
+        write_run_config(tmp_path / name, {"task.name": "finetune", "task.steps": steps, "system.name": system})
+
+    one("n0", "naive", {"payload": "none"}, 0)
+    one("n1", "naive", {"payload": "none"}, 100)
+    one("o1", "occult", {"budget": 1, "payload": "none"}, 100)
+    one("o2", "occult", {"budget": 2, "payload": "none"}, 100)
+    shown = readable(run_table(load_runs([tmp_path])).sort_values("run_id")).set_index("run_id").options
+    assert shown.to_dict() == {"x/n0": "task.steps=0", "x/n1": "task.steps=100",
+                               "x/o1": "task.steps=100, budget=1", "x/o2": "task.steps=100, budget=2"}
