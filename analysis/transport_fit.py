@@ -34,7 +34,9 @@ import json
 import numpy as np
 import pandas as pd
 
-from occult.ep.links import link_from_fields, profile_fields
+from occult.ep.links import link_from_fields
+
+from occult.ep.profiles import profile_fields
 
 from .pricing import a2a_seconds_of_totals
 

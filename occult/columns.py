@@ -4,8 +4,8 @@ first written: both declared on the schema field itself.
 * :func:`column`: a setting that selects behaviour (``task.microbatches``,
   ``system.dispatch_mode``, ...). The recorder writes it as a column of every row, named
   by the field (:func:`setting_values`, :func:`own_settings`); a run whose task or system
-  has no such field writes the column's ``absent`` value, declared with the field, once. A figure reads the column,
-  never a metric row or the ``system_options`` JSON.
+  has no such field writes the column's ``absent`` value, declared with the field, once.
+  A figure reads the column, never a metric row or the ``system_options`` JSON.
 * ``later=``, on :func:`column` or :func:`later`: the field was added after results were
   first written, and configs that hold this value hash as the configs without the key did
   (so earlier runs keep their hash and resume: :func:`occult.runner.run_hashed_config`).

@@ -7,10 +7,9 @@ routing trace, "" for none), batch_size, seq_len, seed, config_hash), the run's 
 schema fields declared as columns, :mod:`occult.columns`, each with the value a run without
 the field writes: ``system.dispatch_mode``, ``task.grad_sync``, ``task.microbatches``,
 ``task.migration`` (Luffy's sequence migration), ``task.placement`` (contiguous, eplb or an
-artifact)), the
-measurement (layer, rank, phase, pass, metric, value, unit, sample, src_rank, dst_rank, expert)
-and provenance (git_commit, torch_version, device, hostname, time, clock, launcher). A
-setting is a column, never a metric row.
+artifact)), the measurement (layer, rank, phase, pass, metric, value, unit, sample, src_rank,
+dst_rank, expert) and provenance (git_commit, torch_version, device, hostname, time, clock,
+launcher). A setting is a column, never a metric row.
 
 ``run_id`` is unique per composed config: readable fields and ``config_hash``, a
 digest of the composed config (:func:`config_hash`); ``system_options`` is the
@@ -48,10 +47,19 @@ RESULTS_FILE = "results.parquet"
 RUN_CONFIG_FILE = "run_config.json"      # the composed config the results belong to (resume checks it)
 # keys of the composed config that do not change a run's results (left out of its hash)
 NOT_HASHED = ("resume", "out_dir", "report", "report_options", "cluster.run_timeout_s", "cluster.collective_timeout_s")
+# keys recorded with the config (run_config.json) but neither hashed nor compared on resume: the
+# systems a capability query selected name a sweep's points, never what one point computes (a
+# system added later must not make every finished point refuse to resume)
+RECORDED_ONLY = ("selected_systems",)
 # tables written before a column existed: the value their runs had (``dtype``: the harness's
 # default element type; runs in bfloat16 then were the GPU check's); the settings' columns
 # read as what such a table held of them elsewhere (:func:`analysis.load.settings_as_columns`)
 LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32", "trace_sha256": "", "expert": -1}
+
+
+def _compared(hashed: dict) -> dict:
+    """``hashed`` without the :data:`RECORDED_ONLY` keys: what a digest and a resume compare."""
+    return {k: v for k, v in hashed.items() if not any(k == n or k.startswith(n + ".") for n in RECORDED_ONLY)}
 
 
 def row(metric: str, value: float, unit: str, *, layer: int = -1, rank: int = -1, phase: str = "",
@@ -126,7 +134,7 @@ def without_later(hashed: dict, later: dict) -> dict:
 
 def config_hash(hashed: dict) -> str:
     """A short digest of :func:`hashed_config` (canonical JSON, sorted keys)."""
-    text = json.dumps(hashed, sort_keys=True, default=str)
+    text = json.dumps(_compared(hashed), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -134,7 +142,7 @@ def config_diff(stored: dict, current: dict, later: dict) -> list:
     """Keys whose values differ between two hashed configs, as ``key: a -> b`` (a key at its
     ``later`` value counts as absent: a config stored before the key existed held it;
     :func:`without_later`)."""
-    stored, current = without_later(stored, later), without_later(current, later)
+    stored, current = without_later(_compared(stored), later), without_later(_compared(current), later)
     keys = sorted(set(stored) | set(current))
     missing = "<absent>"
     return [f"{k}: {stored.get(k, missing)!r} -> {current.get(k, missing)!r}" for k in keys

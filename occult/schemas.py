@@ -67,7 +67,7 @@ class PretrainConf:
     eval_every: int = 250
     # the held-out figures after training (loss, accuracy, expert loads): the first N batches of
     # 16 validation windows (null: the whole validation split, about 100 batches of the shakespeare corpus)
-    eval_batches: Optional[int] = None
+    eval_batches: Optional[int] = later(None)
     # CPU threads of the pre-training process: float sums are ordered by the thread count,
     # so the checkpoint is bit-for-bit the same on one machine only at the same count
     threads: int = 2

@@ -27,7 +27,7 @@ LATER_AT_57D74C1 = {
     "task.placement": "contiguous", "task.num_redundant": 0,
     "task.microbatches": 1, "task.grad_sync": "end", "task.migration": False}
 # and those added since, each at the value that reproduces the runs written before it
-LATER_SINCE = {"task.held_out_tokens": None}
+LATER_SINCE = {"task.held_out_tokens": None, "pretrain.eval_batches": None}
 
 
 def test_the_later_keys_are_the_fields_declarations_and_those_of_57d74c1():
@@ -43,6 +43,23 @@ def test_the_later_keys_are_the_fields_declarations_and_those_of_57d74c1():
     hashed = lambda task: without_later(hashed_config({"task": task}), later_keys())
     assert hashed({"microbatches": 1, "iters": 3}) == {"task.iters": 3}
     assert hashed({"microbatches": 2}) == {"task.microbatches": 2}
+
+
+def test_a_run_folder_written_at_57d74c1_resumes(tmp_path):
+    """A 57d74c1 run folder (the fixture's table and the config its mb2_overlap run stored)
+    holds the results of today's same command: the run is skipped, not refused."""
+    import shutil
+    from occult.runner import already_done, run_hashed_config
+    _old_table(tmp_path)
+    shutil.copy(FIXTURE / "run_config.json", tmp_path / "run_config.json")
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[
+            "model=olmoe_proxy", "model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16",
+            "model.num_layers=2", "cluster=cpu4", "task=train", "system=naive", "task.warmup=0", "task.iters=2",
+            "task.batch_size=2", "task.seq_len=16", "task.parity_tokens=8", "experiment_name=fixture_57d74c1",
+            "task.microbatches=2", "task.grad_sync=overlap", "label=mb2_overlap"])
+    assert already_done(tmp_path, run_hashed_config(cfg))
 
 
 def test_a_setting_is_declared_once():

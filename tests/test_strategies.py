@@ -10,8 +10,9 @@ import yaml
 
 from analysis import pricing, projection
 from occult.dist import launch
-from occult.ep import Placement, links
-from occult.ep.links import Link, link_at, pipeline_seconds
+from occult.ep import Placement
+from occult.ep.links import Link, pipeline_seconds
+from occult.ep.profiles import Profile, link_at
 from occult.parity import LayerCase, run_grid, run_model_grid
 
 from systems import system
@@ -283,7 +284,7 @@ def test_a_pipelined_layer_is_projected_with_its_overlap():
     rows = (_collective("dispatch", "forward", 0, 1, 1e6, 2) + _collective("combine", "forward", 1, 0, 1e6, 2)
             + [{"metric": "tokens", "value": 100, "unit": "tokens", "rank": r} for r in (0, 1)]
             + [{"metric": "pipeline_degree", "value": 2, "unit": "chunks", "rank": r} for r in (0, 1)])
-    profile = links.Profile("toy", 2, "float32", link=Link(intra_latency_s=0.0, intra_Bps=1e9, flops=3e7))
+    profile = Profile("toy", 2, "float32", link=Link(intra_latency_s=0.0, intra_Bps=1e9, flops=3e7))
     proj = projection.project_run(_run_frame(rows), profile).set_index("component")
     # 1 ms per exchange, 2 ms of experts; 2 chunks: 0.5 + 1 + 0.5 + max(0.5 + 0.5, 1) = 3 ms, not 4
     assert proj.loc["a2a:dispatch", "ms"] == pytest.approx(1.0) and proj.loc["experts", "ms"] == pytest.approx(2.0)
@@ -294,7 +295,7 @@ def test_weight_rows_are_resized_to_the_target_model():
     weight_row = 3 * 10 * 10 * 4                          # one expert of the run (D = F = 10, float32)
     rows = _collective("fetch_weights", "forward", 0, 1, 5 * weight_row, 1)
     rows[1]["value"] = 5                                    # five experts
-    profile = links.Profile("toy", 2, "bfloat16", link=Link(intra_latency_s=0.0, intra_Bps=1e9))
+    profile = Profile("toy", 2, "bfloat16", link=Link(intra_latency_s=0.0, intra_Bps=1e9))
     proj = projection.project_run(_run_frame(rows), profile, projection.Target("big", 100, 200, 1)).set_index("component")
     assert proj.loc["a2a:fetch_weights", "ms"] == pytest.approx(5 * 3 * 100 * 200 * 2 / 1e9 * 1e3)
 
@@ -305,7 +306,7 @@ def test_metadata_rows_keep_their_size_and_decode_pipelines_per_step():
     meta = _collective("dispatch_meta", "forward", 0, 1, 800.0, 1)
     meta.append({**meta[0], "metric": "meta_bytes"})
     hidden = _collective("dispatch", "forward", 0, 1, 800.0, 1)
-    profile = links.Profile("toy", 2, "float32", link=Link(intra_latency_s=0.0, intra_Bps=1e9))
+    profile = Profile("toy", 2, "float32", link=Link(intra_latency_s=0.0, intra_Bps=1e9))
     big = projection.Target("big", 100, 10, 1)
     proj = projection.project_run(_run_frame(meta + hidden), profile, big).set_index("component")
     assert proj.loc["a2a:dispatch_meta", "ms"] == pytest.approx(800 / 1e9 * 1e3)

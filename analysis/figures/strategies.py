@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from occult.ep.links import load_profile
+from occult.ep.profiles import load_profile
 
 from ..plots import plt, save, style, system_order
 from ..projection import pipeline_degree, project_runs, projected_totals, target_model

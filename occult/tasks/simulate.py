@@ -181,7 +181,7 @@ def _simulate(ctx, spec: RunSpec) -> list:
     source = world_source(spec)
     rows = []
     if source is not None:
-        rows += [row("source_tokens", source.tokens, "tokens"),
+        rows += [row("source_size", source.tokens, "tokens"),
                  row("resampled_tokens", float(source.resampled), "bool")]
     for layer in task_layers(m, t.sample_layers):
         T = t.total_tokens // c.world_size if t.total_tokens else t.tokens_per_rank
