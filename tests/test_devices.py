@@ -46,7 +46,7 @@ def _prepared(cfg, system: dict, out_dir: Path):
 
 
 def every_job(tmp_path: Path) -> list:
-    """``(label, entry, cfg_dict)`` of every system on every task, its other exact paths on
+    """``(label, entry, spec)`` of every system on every task, its other exact paths on
     the layer task, and a whole model in bfloat16 (what a GPU run uses): each task composed
     once, each system's YAML put in its place (composition costs 0.2 s a config)."""
     register()
