@@ -85,7 +85,8 @@ docs: $(STAMP)
 results: $(STAMP)
 	$(PY) -m analysis.results $(if $(ONLY),--only $(ONLY)) $(if $(ALLOW_DIRTY),--allow-dirty)
 
-# docs/systems.md's capability table, from the systems' records (occult/capability_table.py)
+# The systems tables (docs/systems.md's, its capability table, the README's), from conf/system
+# and the systems' records (occult/capability_table.py)
 docs-systems: $(STAMP)
 	$(PY) -m occult.capability_table --write
 

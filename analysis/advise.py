@@ -4,7 +4,8 @@
     python -m analysis.advise model=olmoe_proxy profile=sim_cpu_loopback world_size=4 phase=prefill \\
         tokens_per_rank=512 trace=runs/strategies/<a run with task.save_routing=true>
 
-For each candidate strategy (``systems=``, default :data:`CANDIDATES`) the advisor simulates
+For each candidate strategy (``systems=``, default :func:`candidates`: every registered
+system the query :data:`CANDIDATE_QUERY` selects from the capability records) the advisor simulates
 the model's MoE layers on ``world_size`` ranks in the profile's nodes (``task=simulate``: the
 systems' own traffic plans, every rank, one process; ``occult_placed`` after ``task=place``
 made its placement from a profiling set), writes those runs under ``out=`` (default
@@ -19,7 +20,8 @@ experts), ``trace`` (a run folder with ``routing.parquet``: replay that routing)
 (router | uniform | zipf; default: ``router`` through the model's own routers or a trained
 proxy of the same E and K (``<model>_proxy``), else ``uniform``), ``sample_layers``
 (default 3), ``systems`` (comma-separated strategies; hierarchical as ``hierarchical_node`` /
-``hierarchical_device``), ``out``.
+``hierarchical_device``), ``out``. A system with a ``profile`` option (a cost rule that
+decides its schedule: shadowing, the pipeline degree) decides with the advised profile.
 
 Memory per GPU: the MoE layers' expert weights a rank holds (E / P experts x 3 D F elements x
 MoE layers) plus its largest dispatch buffer (received rows x D elements); attention, dense
@@ -27,6 +29,7 @@ layers and caches are the same for every strategy and not counted. Shapes: P ran
 """
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -37,8 +40,9 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from occult.config import CONF_DIR, read_conf
-from occult.ep.links import ELEMENT_BYTES, load_profile
+from occult.config import CONF_DIR, read_conf, select_systems
+from occult.ep.links import ELEMENT_BYTES
+from occult.ep.profiles import load_profile
 
 from .figures.scale_study import point_table, strategy_of
 from .load import load_runs
@@ -46,7 +50,11 @@ from .projection import project_runs, projected_totals
 
 # occult_placed's placement: task=place on this many profiling tokens, swap_search capped per layer
 PROFILE_TOKENS, PLACE_TIME_LIMIT_S = 16384, 5.0
-CANDIDATES = ("naive", "occult", "occult_placed", "hierarchical_node", "hierarchical_device", "allgather", "tutel")
+# the systems whose traffic the advisor can simulate and rank: an exact expert-parallel scheme
+# with a traffic plan, on any model (ScMoE's overlap needs its own shortcut-connected family)
+CANDIDATE_QUERY = ("expert_parallel", "exact_forward", "traffic_plan", "not shortcut_overlap")
+# a system advised once per value of an option (the scale study's strategies, scale_study.strategy_of)
+VARIANTS = {"hierarchical": ("dedup", ("node", "device"))}
 PHASES = ("decode", "prefill", "train")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,8 +71,19 @@ class Request:
     trace: Optional[str] = None
     routing: Optional[str] = None
     sample_layers: int = 3
-    systems: tuple = CANDIDATES
+    systems: tuple = ()             # () : every candidate (:func:`candidates`)
     out: Optional[str] = None
+
+
+def candidates() -> tuple:
+    """The strategies the advisor may rank: every registered system that
+    :data:`CANDIDATE_QUERY` selects (:func:`occult.config.select_systems`), a system of
+    :data:`VARIANTS` once per value (``hierarchical_node``, ...)."""
+    out = []
+    for name in select_systems(CANDIDATE_QUERY):
+        values = VARIANTS.get(name, (None, ()))[1]
+        out += [f"{name}_{v}" for v in values] or [name]
+    return tuple(out)
 
 
 def parse(argv) -> Request:
@@ -84,11 +103,14 @@ def parse(argv) -> Request:
     for name in ("tokens_per_rank", "world_size", "sample_layers"):
         if name in kv:
             kv[name] = int(kv[name])
+    allowed = candidates()
     if "systems" in kv:
         kv["systems"] = tuple(s for s in kv["systems"].split(",") if s)
-        unknown = [s for s in kv["systems"] if s not in CANDIDATES]
+        unknown = [s for s in kv["systems"] if s not in allowed]
         if unknown:
-            raise ValueError(f"systems={','.join(kv['systems'])}: allowed values are {list(CANDIDATES)}")
+            raise ValueError(f"systems={','.join(kv['systems'])}: allowed values are {list(allowed)}")
+    else:
+        kv["systems"] = allowed
     return Request(**kv)
 
 
@@ -123,13 +145,18 @@ def routing_overrides(req: Request, model) -> list:
     return [f"task.routing={routing}"]
 
 
-def point_overrides(strategy: str, place_dir: Path) -> list:
-    """A strategy's system overrides."""
-    if strategy.startswith("hierarchical_"):
-        return ["system=hierarchical", f"system.dedup={strategy[len('hierarchical_'):]}"]
-    if strategy == "occult_placed":
-        return ["system=occult_placed", f"system.placement_file={place_dir / 'placements.json'}"]
-    return [f"system={strategy}"]
+def point_overrides(strategy: str, place_dir: Path, profile: str) -> list:
+    """A strategy's system overrides (a system with a ``profile`` option decides with ``profile``)."""
+    system, option = strategy, []
+    for name, (key, values) in VARIANTS.items():
+        if strategy in (f"{name}_{v}" for v in values):
+            system, option = name, [f"system.{key}={strategy[len(name) + 1:]}"]
+    if system == "occult_placed":
+        option = [f"system.placement_file={place_dir / 'placements.json'}"]
+    if "profile" in {f.name for f in dataclasses.fields(read_conf("system", system))}:
+        where = Path(profile)
+        option.append(f"system.profile={where.resolve() if where.suffix else profile}")
+    return [f"system={system}", *option]
 
 
 def run_point(overrides: list, folder: Path) -> None:
@@ -159,7 +186,8 @@ def simulate(req: Request, out: Path) -> pd.DataFrame:
     for s in req.systems:
         t0 = time.perf_counter()
         run_point(["task=simulate", *base, f"task.tokens_per_rank={req.tokens_per_rank}",
-                   *point_overrides(s, out / "place"), f"task.backward={'true' if req.phase == 'train' else 'false'}",
+                   *point_overrides(s, out / "place", req.profile),
+                   f"task.backward={'true' if req.phase == 'train' else 'false'}",
                    "task.peer_rows=false", f"label={req.phase}"], out / s)
         print(f"  simulated {s} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return load_runs([out / s for s in req.systems])
@@ -222,6 +250,8 @@ def rests_on(req: Request, df: pd.DataFrame) -> list:
 
 def advise(req: Request) -> tuple[pd.DataFrame, list]:
     """Simulates, projects and ranks: (table, what it rests on)."""
+    if not req.systems:
+        req = dataclasses.replace(req, systems=candidates())
     out = Path(req.out) if req.out else ROOT / "runs" / "advise" / time.strftime("%Y-%m-%d_%H-%M-%S")
     df = simulate(req, out)
     return ranked(df, req), rests_on(req, df)

@@ -96,7 +96,7 @@ def _fit_experts(run: pd.DataFrame) -> tuple[float, float]:
 
 
 def profile_dict(points: list[dict], source: str) -> dict:
-    """A ``sim_cpu_loopback`` profile (the fields :func:`occult.ep.links.profile_from_dict` reads)."""
+    """A ``sim_cpu_loopback`` profile (the fields :func:`occult.ep.profiles.profile_from_dict` reads)."""
     return {"name": "sim_cpu_loopback", "world_size": 0, "backend": "gloo",
             "dtype": "float32", "source": source,
             "calibration": [{"world_size": int(p["world_size"]),

@@ -1,12 +1,28 @@
-"""Loading results: any mix of single run folders and multirun folders -> one DataFrame."""
+"""Loading results: any mix of single run folders and multirun folders -> one DataFrame.
+
+Tables written by older versions load as today's: a column added later holds the value their
+runs had (:data:`occult.records.LATER_COLUMNS`), and the settings a table wrote elsewhere
+read as their columns (:func:`settings_as_columns`).
+"""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterable, Union
 
 import pandas as pd
 
+from occult.config import setting_columns
 from occult.records import LATER_COLUMNS, RESULTS_FILE
+
+# settings that tables written before they were columns (up to 57d74c1) held as metric rows of
+# rank 0: {column: (metric, decode the row's value)}; the gradient sync's schedule was its index
+# in the order of occult.models.grad_sync.GRAD_SYNCS then, kept here as it was
+OLD_GRAD_SYNCS = ("end", "overlap", "lina")
+SETTING_ROWS = {"microbatches": ("microbatches", int),
+                "grad_sync": ("grad_sync_mode", lambda index: OLD_GRAD_SYNCS[int(index)])}
+# settings those tables held in the system_options JSON (a system without the option: absent)
+SETTING_OPTIONS = ("dispatch_mode",)
 
 
 def find_results(paths: Union[str, Path, Iterable]) -> list[Path]:
@@ -35,6 +51,33 @@ def load_runs(paths) -> pd.DataFrame:
         for column, default in LATER_COLUMNS.items():     # tables written before the column existed
             if column not in df:
                 df[column] = default
+        df = settings_as_columns(df)
         df["run_dir"] = str(f.parent)
         frames.append(df)
     return pd.concat(frames, ignore_index=True)
+
+
+def settings_as_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """One results table with every setting column (:func:`occult.config.setting_columns`):
+    a table written before a setting was a column gets it from the metric rows it wrote of it
+    (:data:`SETTING_ROWS`, per run; the rows are dropped, as no setting is a measurement), from
+    its ``system_options`` (:data:`SETTING_OPTIONS`, per row), else the ``absent`` value of a
+    run without the field. A table that has the columns is returned as it is."""
+    missing = {name: absent for name, (_, absent) in setting_columns().items() if name not in df}
+    if not missing:
+        return df
+    df = df.copy()
+    old_rows = pd.Series(False, index=df.index)
+    for name, absent in missing.items():
+        if name in SETTING_ROWS:
+            metric, decode = SETTING_ROWS[name]
+            rows = df.metric == metric
+            per_run = {run_id: decode(v) for run_id, v in df[rows].groupby("run_id").value.max().items()}
+            df[name] = df.run_id.map({**dict.fromkeys(df.run_id.unique(), absent), **per_run})
+            old_rows |= rows
+        elif name in SETTING_OPTIONS:
+            df[name] = df.system_options.map({o: json.loads(o or "{}").get(name, absent)
+                                              for o in df.system_options.unique()})
+        else:
+            df[name] = absent
+    return df[~old_rows].reset_index(drop=True)

@@ -1,7 +1,15 @@
 """Figures, one style: fixed system colours across every figure, units on the axes,
-projected values hatched and labelled, written as PNG and PDF."""
+projected values hatched and labelled, written as PNG and PDF.
+
+Every registered system (:func:`occult.config.registered_dirs`: ``conf/`` and a user's
+folders) has a colour and a marker (:func:`system_styles`): the paper's systems keep the
+colours of :data:`SYSTEM_COLORS`; any other system's are derived from its name (a digest
+picks a start in :data:`EXTRA_COLORS` and :data:`MARKERS`; a colour another system holds is
+skipped), so a new system needs no line here.
+"""
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import matplotlib
@@ -22,6 +30,11 @@ SYSTEM_COLORS = {
 SYSTEM_ORDER = ["reference", "naive", "deepspeed", "tutel", "megablocks", "exflow", "allgather", "hierarchical",
                 "pipelined", "shadow", "expert_fetch", "occult", "occult_placed", "occult_prune_score",
                 "occult_prune_sim"]
+# colours for the systems without one above: the tab20 family's shades that SYSTEM_COLORS does not use
+EXTRA_COLORS = ("#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5",
+                "#5254a3", "#8ca252", "#bd9e39", "#ad494a", "#a55194", "#6b6ecf", "#b5cf6b", "#e7ba52",
+                "#d6616b", "#ce6dbd", "#3182bd", "#e6550d", "#31a354", "#756bb1", "#636363", "#fd8d3c")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
 SOURCE_HATCH = {"measured": "", "projected": "//"}
 PHASES = ["route", "dispatch", "experts", "combine"]
 
@@ -31,9 +44,40 @@ def style() -> None:
     sns.set_theme(style="whitegrid", context="paper", font_scale=1.1)
 
 
+def _digest(name: str) -> int:
+    """A number from a system's name, the same in every process (unlike ``hash``)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
+def system_styles(systems=()) -> dict:
+    """``{system: (colour, marker)}`` of every registered system and of ``systems`` (names
+    in results, registered or not). The paper's systems: :data:`SYSTEM_COLORS` and a marker
+    by their place in :data:`SYSTEM_ORDER`; the others, by name order: the first colour of
+    :data:`EXTRA_COLORS` from their digest's start that no other system holds (a colour
+    again once all are held), and the marker their digest picks."""
+    from occult.config import registered_dirs, system_yamls
+
+    styles = {s: (SYSTEM_COLORS[s], MARKERS[i % len(MARKERS)]) for i, s in enumerate(SYSTEM_ORDER)}
+    held = set(SYSTEM_COLORS.values())
+    for s in sorted((set(system_yamls(registered_dirs())) | set(systems)) - set(styles)):
+        d = _digest(s)
+        ring = [EXTRA_COLORS[(d + k) % len(EXTRA_COLORS)] for k in range(len(EXTRA_COLORS))]
+        colour = next((c for c in ring if c not in held), ring[0])
+        held.add(colour)
+        styles[s] = (colour, MARKERS[d % len(MARKERS)])
+    return styles
+
+
 def palette(systems) -> dict:
-    extra = iter(sns.color_palette("tab20", 20))
-    return {s: SYSTEM_COLORS.get(s) or next(extra) for s in systems}
+    """``{system: colour}`` for ``systems`` (:func:`system_styles`)."""
+    styles = system_styles(systems)
+    return {s: styles[s][0] for s in systems}
+
+
+def markers(systems) -> dict:
+    """``{system: marker}`` for ``systems`` (:func:`system_styles`)."""
+    styles = system_styles(systems)
+    return {s: styles[s][1] for s in systems}
 
 
 def system_order(systems) -> list:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from occult.ep.links import available_profiles, load_profile
+from occult.ep.profiles import available_profiles, load_profile
 
 from .load import load_runs
 from .projection import project_runs, projected_totals, target_model

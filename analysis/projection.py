@@ -5,7 +5,7 @@ routing: the bytes each rank sent to each peer in every collective (the
 ``bytes`` rows with ``src_rank`` / ``dst_rank``, counted from the split sizes
 that went into the collective) and the expert FLOPs of the run's tokens
 (tokens, K, D, F). A projection profile (``conf/profile/sim_*.yaml``, read by
-:mod:`occult.ep.links`) gives link bandwidths and latencies and per-device matmul
+:mod:`occult.ep.profiles`) gives link bandwidths and latencies and per-device matmul
 throughput; :mod:`analysis.pricing` prices each collective and experts step on it.
 
 Rows per rank for the experts = tokens per rank x K (balanced load, an assumption) plus
@@ -30,7 +30,8 @@ import numpy as np
 import pandas as pd
 
 from occult.config import read_conf
-from occult.ep.links import ELEMENT_BYTES, Link, Profile, pipeline_seconds
+from occult.ep.links import ELEMENT_BYTES, Link, pipeline_seconds
+from occult.ep.profiles import Profile
 
 from .pricing import a2a_seconds_of_totals, collective_seconds, expert_seconds
 from .summary import RUN_KEYS, SYSTEM_KEYS

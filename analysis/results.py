@@ -21,10 +21,14 @@ nothing are run RERUNS times (``runs/NAME_r2``, ...) for their spread.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
+import os
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -115,11 +119,45 @@ def fresh_folder(folder: Path, commit: str) -> str:
     return "fresh"
 
 
-def run_logged(cmd: list[str], log_path: Path, prefix: str) -> tuple[int, float]:
+LOAD_EVERY_S = 15.0
+
+
+class LoadSampler:
+    """The machine's 1-minute load average (``os.getloadavg``), read every ``every_s`` seconds
+    in a thread while a sweep runs: how busy the cores were that its times were measured on
+    (the sweep's own ranks included: a P = 4 world on 2 cores alone reads about 4)."""
+
+    def __init__(self, every_s: float = LOAD_EVERY_S):
+        self.every_s, self.samples, self._stop = every_s, [], threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while True:
+            self.samples.append(os.getloadavg()[0])
+            if self._stop.wait(self.every_s):
+                return
+
+    def __enter__(self) -> "LoadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        """``{"min", "median", "max", "n"}`` of the samples, rounded to 0.01."""
+        s = self.samples
+        return {"min": round(min(s), 2), "median": round(statistics.median(s), 2), "max": round(max(s), 2),
+                "n": len(s)}
+
+
+def run_logged(cmd: list[str], log_path: Path, prefix: str, load: LoadSampler | None = None) -> tuple[int, float]:
     """Runs ``cmd`` at the repository root, its output into ``log_path``; echoes the sweep's
-    progress lines with ``prefix``. Returns (exit status, wall seconds)."""
+    progress lines with ``prefix``; ``load``, when given, samples the machine's load meanwhile.
+    Returns (exit status, wall seconds)."""
     t0 = time.monotonic()
-    with open(log_path, "a") as logf:
+    with open(log_path, "a") as logf, (load or contextlib.nullcontext()):
         logf.write(f"$ {' '.join(cmd)}\n")
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
@@ -134,14 +172,15 @@ def figures_of(name: str) -> list[str]:
     return sorted(p.relative_to(DOCS).as_posix() for p in (DOCS / name).glob("*.png")) if (DOCS / name).is_dir() else []
 
 
-def run_sweep(name: str, folder: Path, r: int, prefix: str, commit: str) -> float | None:
+def run_sweep(name: str, folder: Path, r: int, prefix: str, commit: str) -> tuple[float, dict] | None:
     """Runs ``python run.py experiment=NAME`` into ``folder`` (run ``r`` of its reruns); its
-    wall seconds, or None when it failed."""
+    wall seconds and the machine's load meanwhile (:class:`LoadSampler`), or None when it failed."""
     state = fresh_folder(folder, commit)
     cmd = [sys.executable, "run.py", f"experiment={name}"]
     if r > 1:
         cmd.append(f"hydra.sweep.dir=runs/{folder.name}")
-    rc, wall = run_logged(cmd, RUNS / f"{folder.name}.results.log", f"{prefix} run {r}/{reruns_of(name)}:")
+    load = LoadSampler()
+    rc, wall = run_logged(cmd, RUNS / f"{folder.name}.results.log", f"{prefix} run {r}/{reruns_of(name)}:", load)
     spent = folder / ".results_wall"          # every attempt's seconds at this code (a resumed sweep's too)
     total = wall + (float(spent.read_text()) if spent.exists() else 0.0)
     spent.write_text(f"{total:.1f}\n")
@@ -150,7 +189,13 @@ def run_sweep(name: str, folder: Path, r: int, prefix: str, commit: str) -> floa
     if rc != 0:
         print(f"{prefix} FAILED: see runs/{folder.name}.results.log; the other experiments go on", flush=True)
         return None
-    return total
+    print(f"{prefix} load average (1 min) during the run: {_load_words(load.summary())}", flush=True)
+    return total, load.summary()
+
+
+def _load_words(load: dict | None) -> str:
+    """``min / median / max`` of a run's load samples, or "not recorded" (runs before it was)."""
+    return f"{load['min']:.1f} / {load['median']:.1f} / {load['max']:.1f}" if load else "not recorded"
 
 
 def run_one(name: str, i: int, n: int, clean: bool, log: dict) -> bool:
@@ -163,9 +208,10 @@ def run_one(name: str, i: int, n: int, clean: bool, log: dict) -> bool:
     print(f"{prefix} start at {commit}{'' if clean else ' (DIRTY TREE)'}"
           + (f"; last time {before / 60:.1f} min" if before else ""), flush=True)
     if not published_here(log, name):
-        wall = run_sweep(name, folders[0], 1, prefix, commit)
-        if wall is None:
+        ran = run_sweep(name, folders[0], 1, prefix, commit)
+        if ran is None:
             return False
+        wall, load = ran
         command = f"python -m analysis.report runs/{name} --publish docs/results"
         rc, _ = run_logged([sys.executable, "-m", "analysis.report", f"runs/{name}", "--publish", "docs/results"],
                            RUNS / f"{name}.results.log", f"{prefix} publish:")
@@ -174,16 +220,17 @@ def run_one(name: str, i: int, n: int, clean: bool, log: dict) -> bool:
             return False
         log[name] = {"command": f"python run.py experiment={name}", "published_by": command, "commit": commit,
                      "clean": clean, "dirty_files": [] if clean else dirty_files(), "wall_s": round(wall, 1),
-                     "rerun_wall_s": [], "finished": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                     "rerun_wall_s": [], "load_1min": load, "rerun_load_1min": [], "finished": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                      "figures": figures_of(name)}
         log_headlines(log, name, folders[:1])
         print(f"{prefix} published docs/results/{name}.md ({wall / 60:.1f} min)", flush=True)
     entry = log[name]
     for r in range(2 + len(entry["rerun_wall_s"]), len(folders) + 1):
-        wall = run_sweep(name, folders[r - 1], r, prefix, commit)
-        if wall is None:
+        ran = run_sweep(name, folders[r - 1], r, prefix, commit)
+        if ran is None:
             return False
-        entry["rerun_wall_s"].append(round(wall, 1))
+        entry["rerun_wall_s"].append(round(ran[0], 1))
+        entry.setdefault("rerun_load_1min", []).append(ran[1])
         log_headlines(log, name, folders[:r])
     return True
 
@@ -223,15 +270,19 @@ def write_index(log: dict) -> Path:
              "hand. Each experiment ran as `python run.py experiment=NAME` into `runs/NAME` and was published by "
              "`python -m analysis.report runs/NAME --publish docs/results`; its file states the runs' commit and "
              "date again. Wall time: the sweep here (this machine, shared with other jobs while these ran; a "
-             "resumed sweep's attempts summed), pre-training of any proxy not yet cached included.", "",
-             "| experiment | command | wall time here | figures | commit | tree | finished |",
-             "|---|---|---|---|---|---|---|"]
+             "resumed sweep's attempts summed), pre-training of any proxy not yet cached included. Load: the "
+             "machine's 1-minute load average sampled every 15 s during the sweep, min / median / max (2 cores; the "
+             "sweep's own ranks count: a P = 4 world alone reads about 4; far above that, other jobs shared the "
+             "cores and its times are slower and noisier).", "",
+             "| experiment | command | wall time here | load | figures | commit | tree | finished |",
+             "|---|---|---|---|---|---|---|---|"]
     for name in published():
         e = log.get(name)
         if not e:
             continue
         figs = ", ".join(f"[{Path(f).stem}]({f})" for f in e["figures"]) or "none"
-        lines.append(f"| [{name}]({name}.md) | `{e['command']}` | {e['wall_s'] / 60:.1f} min | {figs} | "
+        lines.append(f"| [{name}]({name}.md) | `{e['command']}` | {e['wall_s'] / 60:.1f} min | "
+                     f"{_load_words(e.get('load_1min'))} | {figs} | "
                      f"{e['commit']} | {'clean' if e['clean'] else 'DIRTY: ' + ', '.join(e['dirty_files'])} | "
                      f"{e['finished']} |")
     stale = sorted(p.name for p in DOCS.glob("*.md") if any(m in p.read_text() for m in HAND_COPY_MARKS)

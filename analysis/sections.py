@@ -94,18 +94,24 @@ def guarded(build: Callable, df: pd.DataFrame, out: Path, options: dict = None) 
 
 def readable(table: pd.DataFrame) -> pd.DataFrame:
     """A table as report.md prints it (its CSV keeps every column as it is): ``system_options``
-    reduced to the options in which its rows differ (:func:`analysis.summary.options_that_differ`;
-    gone when they differ in none), and ``run_dir`` (a folder path) left out where ``run_id``
-    names each run."""
-    from .summary import options_that_differ
+    reduced to the options in which one system's rows differ
+    (:func:`analysis.summary.options_that_differ`), preceded by the task settings in which the
+    rows differ and no column shows (:func:`analysis.summary.settings_that_differ`: rows that
+    would else read alike, e.g. before and after fine-tuning); the column is gone when they
+    differ in none; and ``run_dir`` (a folder path) left out where ``run_id`` names each run or the
+    table is one of runs (it has their options)."""
+    from .summary import options_that_differ, settings_that_differ
 
-    if "system_options" in table:
-        options = options_that_differ(table.system_options)
+    runs = "system_options" in table
+    if runs:
+        options = options_that_differ(table.system_options, table.system if "system" in table else None)
+        settings = settings_that_differ(table)
+        options = pd.Series([", ".join(p for p in parts if p) for parts in zip(settings, options)], index=table.index)
         at = table.columns.get_loc("system_options")
         table = table.drop(columns=["system_options"])
         if (options != "").any():
             table.insert(at, "options", options)
-    if "run_dir" in table and "run_id" in table:
+    if "run_dir" in table and ("run_id" in table or runs):
         table = table.drop(columns=["run_dir"])
     return table
 

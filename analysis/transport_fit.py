@@ -34,7 +34,9 @@ import json
 import numpy as np
 import pandas as pd
 
-from occult.ep.links import link_from_fields, profile_fields
+from occult.ep.links import link_from_fields
+
+from occult.ep.profiles import profile_fields
 
 from .pricing import a2a_seconds_of_totals
 
@@ -67,7 +69,8 @@ def simulated_runs(df: pd.DataFrame) -> dict:
     out = {}
     for _, run in sim.groupby("run_id", sort=False):
         f = run.iloc[0]
-        out[run_key(f.system, json.loads(f.system_options or "{}"), f.world_size, f.devices_per_node, f.tokens_per_rank, f.num_experts,
+        options = {**json.loads(f.system_options or "{}"), "dispatch_mode": f.dispatch_mode}     # the column
+        out[run_key(f.system, options, f.world_size, f.devices_per_node, f.tokens_per_rank, f.num_experts,
                     f.top_k, f.hidden_size)] = run
     return out
 

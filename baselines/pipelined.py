@@ -48,7 +48,8 @@ from occult.ep.accounting import span
 from occult.ep.comm import ALL_GATHER, all_gather_rows, start_all_to_all
 from occult.ep.plan import RowShape, metadata_sends, returned, sends
 from occult.ep.experts import grouped_swiglu
-from occult.ep.links import Link, link_at, pipeline_seconds
+from occult.ep.links import Link, pipeline_seconds
+from occult.ep.profiles import link_at
 from occult.ep.measure import between, mark
 from occult.ep.permute import expert_major_order, gather_rows, inverse_permutation, weighted_scatter_add
 from occult.ep.capabilities import Capabilities

@@ -48,7 +48,8 @@ from occult.ep.accounting import span
 from occult.ep.comm import ALL_GATHER, BROADCAST, all_gather_rows, broadcast_rows
 from occult.ep.plan import RowShape, metadata_sends, sends
 from occult.ep.experts import expert_rows, grouped_swiglu, weights_of_rows
-from occult.ep.links import Link, link_at
+from occult.ep.links import Link
+from occult.ep.profiles import link_at
 from occult.ep.permute import (expert_major_order, gather_rows, inverse_permutation, sort_pairs_by_destination,
                                weighted_scatter_add)
 from occult.ep.capabilities import Capabilities

@@ -81,6 +81,20 @@ def describe(exc: BaseException) -> str:
     return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
+def config_error_in(exc: BaseException):
+    """The :class:`occult.errors.ConfigError` that ``exc`` was raised from or while handling
+    (e.g. a capability query's, wrapped by OmegaConf's resolution), or None."""
+    from .errors import ConfigError
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ConfigError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _log_chain(exc: BaseException) -> Path:
     ERROR_LOG.parent.mkdir(parents=True, exist_ok=True)
     with ERROR_LOG.open("a") as f:
@@ -107,6 +121,12 @@ def one_line_config_errors():
             sys.stderr.write(f"error: {describe(exc)} (traceback: {path})\n")
             sys.exit(2)
         except Exception as exc:  # noqa: BLE001 - everything else as Hydra reports it
+            cause = config_error_in(exc)
+            if cause is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
+                path = _log_chain(exc)
+                sys.stderr.write(f"error: {cause} (traceback: {path})\n")
+                sys.exit(2)
+
             def again():
                 raise exc
             return original(again)

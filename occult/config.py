@@ -15,11 +15,19 @@ The YAML files under ``conf/`` fill these in. Every group has its schema:
 * ``model``, ``cluster`` (runnable worlds), ``pretrain``: the dataclasses below.
 * ``profile`` (``conf/profile/sim_*.yaml``): projection profiles of clusters that are not
   here; never run on. Their schema, :class:`ProfileConf`, lives beside their one reader
-  (:mod:`occult.ep.links`), below the systems that read profiles at run time.
+  (:mod:`occult.ep.profiles`), below the systems that read profiles at run time.
+
+The registered systems are every ``system/*.yaml`` of ``conf/`` and of the folders the
+last :func:`register` added (:func:`registered_dirs`), each with its class's capability
+record (:func:`system_records`). Experiments that compare every system that can do
+something select them by a query on those records, resolved when the config is composed:
+``${systems_with:expert_parallel, exact_backward, not shortcut_overlap, except occult_placed}``
+(:func:`systems_with`; the resolved list kept in ``selected_systems``, so the run's config holds it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
@@ -28,7 +36,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from . import CONF_DIR
-from .ep.links import ProfileConf  # noqa: F401 - the profile group's schema, with the reader below systems
+from .columns import columns_of, later, later_keys_of
+from .ep.profiles import ProfileConf  # noqa: F401 - the profile group's schema, with the reader below systems
 
 
 @dataclass
@@ -83,7 +92,7 @@ class PretrainConf:
     eval_every: int = 250
     # the held-out figures after training (loss, accuracy, expert loads): the first N batches of
     # 16 validation windows (null: the whole validation split, about 100 batches of the shakespeare corpus)
-    eval_batches: Optional[int] = None
+    eval_batches: Optional[int] = later(None)
     # CPU threads of the pre-training process: float sums are ordered by the thread count,
     # so the checkpoint is bit-for-bit the same on one machine only at the same count
     threads: int = 2
@@ -102,10 +111,10 @@ class ClusterConf:
     # ranks per node (0: every rank in one node): node n holds ranks [n G, (n + 1) G); systems
     # that stage their exchange by node (system=hierarchical) read it, the analysis splits
     # bytes into intra- and inter-node by it
-    devices_per_node: int = 0
+    devices_per_node: int = later(0)
     # at world size 1, run the backend's collectives (the rank sends to itself) instead of local
     # copies: make gpu-check's one-GPU NCCL world (NCCL refuses two ranks on one GPU)
-    single_rank_collectives: bool = False
+    single_rank_collectives: bool = later(False)
     run_timeout_s: float = 3600.0       # whole run
     collective_timeout_s: float = 300.0
 
@@ -124,6 +133,10 @@ class RunConf:
     out_dir: Optional[str] = None       # default: Hydra's output folder
     report: str = ""                    # report builders of an experiment (modules of analysis.figures)
     report_options: Dict[str, Any] = field(default_factory=dict)   # {builder: {option: value}}: its knobs
+    # {name: the systems a capability query selected, comma-separated}: an experiment's
+    # ``${systems_with:...}`` (see the module docstring), which its sweep's grids read; recorded
+    # in run_config.json, neither hashed nor compared on resume (occult.records.RECORDED_ONLY)
+    selected_systems: Dict[str, str] = field(default_factory=dict)
 
 
 GROUP_SCHEMAS = {"model": ModelConf, "cluster": ClusterConf, "profile": ProfileConf}
@@ -209,9 +222,100 @@ def _task_schema_of(path: Path):
         return None
 
 
+def schemas(conf_dirs: Sequence[Path] = ()) -> dict:
+    """``{group: [schema class, ...]}`` of the run's groups: the cluster's, the model's and
+    pre-training's schemas, every system's and every task's (of ``conf/`` and ``conf_dirs``; one that cannot
+    be imported is left out, as validation reports it)."""
+    dirs = [CONF_DIR, *conf_dirs]
+    found = {"system": [_schema_of(p) for p in system_yamls(dirs).values()],
+             "task": [_task_schema_of(p) for p in group_yamls(dirs, "task").values()]}
+    return {"cluster": [ClusterConf], "model": [ModelConf], "pretrain": [PretrainConf],
+            **{group: list(dict.fromkeys(c for c in classes if c is not None)) for group, classes in found.items()}}
+
+
+@cache
+def later_keys() -> dict:
+    """``{"<group>.<field>": value}``: the keys added after results were first written, each
+    with the value configs held before it (the fields' declarations, :mod:`occult.columns`,
+    over :func:`schemas`): a config at that value hashes as one without the key."""
+    return later_keys_of(schemas())
+
+
+@cache
+def setting_columns() -> dict:
+    """``{column: (group, absent value)}``: the schema fields declared as columns of every
+    results row (:mod:`occult.columns`, over :func:`schemas`)."""
+    return columns_of(schemas())
+
+
+# the config folders the last register() added to conf/ (a user's, on hydra.searchpath)
+_REGISTERED_DIRS: list = []
+# the resolver of capability queries (conf/experiment/*.yaml)
+SYSTEMS_WITH = "systems_with"
+
+
+def registered_dirs() -> list:
+    """``conf/`` and the folders the last :func:`register` added: where the registered
+    systems' YAML files are."""
+    return [CONF_DIR, *_REGISTERED_DIRS]
+
+
+def system_records(conf_dirs: Optional[Sequence[Path]] = None) -> dict:
+    """``{system name: Capabilities}`` of every system YAML in ``conf_dirs`` (default: the
+    registered folders, :func:`registered_dirs`), sorted by name."""
+    from .ep.capabilities import check_declared
+    from .ep.system import import_object
+
+    out = {}
+    for name, path in sorted(system_yamls(registered_dirs() if conf_dirs is None else conf_dirs).items()):
+        target = (yaml.safe_load(path.read_text()) or {}).get("_target_", "")
+        out[name] = check_declared(import_object(target))
+    return out
+
+
+def select_systems(terms: Sequence[str], conf_dirs: Optional[Sequence[Path]] = None) -> list:
+    """The registered systems (sorted by name) whose records match every term: ``<capability>``
+    (the record grants it), ``not <capability>`` (it lacks it) or ``except <system>`` (left
+    out by name: a system the experiment runs elsewhere, e.g. with an artifact it needs).
+    A term naming no capability or no system is a one-line :class:`ConfigError`."""
+    import dataclasses
+
+    from .ep.capabilities import Capabilities
+    from .errors import ConfigError
+
+    records = system_records(conf_dirs)
+    allowed = sorted(f.name for f in dataclasses.fields(Capabilities) if f.type in ("bool", "Can")) + ["slots"]
+    wanted, lacked, left_out = [], [], []
+    for term in (str(t).strip() for t in terms):
+        word, _, rest = term.partition(" ")
+        if word == "except" and rest.strip() in records:
+            left_out.append(rest.strip())
+        elif word == "not" and rest.strip() in allowed:
+            lacked.append(rest.strip())
+        elif term in allowed:
+            wanted.append(term)
+        else:
+            raise ConfigError(f"{SYSTEMS_WITH}: {term!r}: a term is <capability>, not <capability> or except "
+                              f"<system>; capabilities: {', '.join(allowed)}; systems: {', '.join(records)}")
+    return [name for name, caps in records.items() if name not in left_out
+            and all(caps.has(c) for c in wanted) and not any(caps.has(c) for c in lacked)]
+
+
+def systems_with(*terms: str) -> str:
+    """The resolver ``${systems_with:term, ...}``: :func:`select_systems`, comma-separated
+    (the form a sweep's param takes)."""
+    return ",".join(select_systems(terms))
+
+
 def register(conf_dirs: Sequence[Path] = ()) -> None:
     """Stores the run schema, every system's schema and every task's schema (from ``conf/``
-    and ``conf_dirs``, e.g. a user's folders on ``hydra.searchpath``) in Hydra's ConfigStore."""
+    and ``conf_dirs``, e.g. a user's folders on ``hydra.searchpath``) in Hydra's ConfigStore;
+    ``conf_dirs`` become the registered folders (:func:`registered_dirs`), and the capability
+    query resolver (:func:`systems_with`) is registered."""
+    from omegaconf import OmegaConf
+
+    _REGISTERED_DIRS[:] = [Path(d) for d in conf_dirs]
+    OmegaConf.register_new_resolver(SYSTEMS_WITH, systems_with, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConf)
     dirs = [CONF_DIR, *conf_dirs]

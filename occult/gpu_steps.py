@@ -264,7 +264,7 @@ def measured_profile(name: str, tp: dict) -> str:
     (the dense rate, and the grouped GEMM's share of it as the efficiency) and memory."""
     import yaml
 
-    from .ep.links import profile_fields
+    from .ep.profiles import profile_fields
     base = profile_fields("sim_h100x8")
     base.update(name=f"{_slug(name)}x8_measured", device_TFLOPs=round(tp["dense_bf16_TFLOPs"], 1),
                 compute_efficiency=round(tp["grouped_gemm_efficiency"], 3), memory_GBps=round(tp["memory_GBps"], 1),

@@ -3,11 +3,13 @@
 Columns: the run's context (run_id, experiment, label, system, impl,
 system_options, model, init, task, cluster, world_size, devices_per_node, num_experts, top_k,
 hidden_size, expert_ffn_size, dtype, tokens_per_rank, routing, trace_sha256 (of a replayed
-routing trace, "" for none), placement (``task.placement``: contiguous, eplb or an artifact; ""
-for a task without it), migration (``task.migration``: Luffy's sequence migration, False
-for a task without it), batch_size, seq_len, seed, config_hash), the measurement (layer, rank,
-phase, pass, metric, value, unit, sample, src_rank, dst_rank, expert) and provenance
-(git_commit, torch_version, device, hostname, time, clock, launcher).
+routing trace, "" for none), batch_size, seq_len, seed, config_hash), the run's settings (the
+schema fields declared as columns, :mod:`occult.columns`, each with the value a run without
+the field writes: ``system.dispatch_mode``, ``task.grad_sync``, ``task.microbatches``,
+``task.migration`` (Luffy's sequence migration), ``task.placement`` (contiguous, eplb or an
+artifact)), the measurement (layer, rank, phase, pass, metric, value, unit, sample, src_rank,
+dst_rank, expert) and provenance (git_commit, torch_version, device, hostname, time, clock,
+launcher). A setting is a column, never a metric row.
 
 ``run_id`` is unique per composed config: readable fields and ``config_hash``, a
 digest of the composed config (:func:`config_hash`); ``system_options`` is the
@@ -35,35 +37,29 @@ import torch
 
 MEASUREMENT_COLUMNS = ["layer", "rank", "phase", "pass", "metric", "value", "unit", "sample",
                        "src_rank", "dst_rank", "expert"]
+# the run's context; the run's settings follow it (the context's other keys: make_frame)
 CONTEXT_COLUMNS = ["run_id", "experiment", "label", "system", "impl", "system_options", "model", "init", "task",
                    "cluster", "world_size", "devices_per_node", "num_experts", "top_k", "hidden_size", "expert_ffn_size",
-                   "dtype", "tokens_per_rank", "routing", "trace_sha256", "placement", "migration", "batch_size",
-                   "seq_len", "seed", "config_hash"]
+                   "dtype", "tokens_per_rank", "routing", "trace_sha256", "batch_size", "seq_len", "seed", "config_hash"]
 PROVENANCE_COLUMNS = ["git_commit", "torch_version", "device", "hostname", "time", "clock", "launcher"]
 COLUMNS = CONTEXT_COLUMNS + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
 RESULTS_FILE = "results.parquet"
 RUN_CONFIG_FILE = "run_config.json"      # the composed config the results belong to (resume checks it)
 # keys of the composed config that do not change a run's results (left out of its hash)
 NOT_HASHED = ("resume", "out_dir", "report", "report_options", "cluster.run_timeout_s", "cluster.collective_timeout_s")
-# keys added after results were first written, hashed only when they differ from the default that
-# reproduces those results (so earlier runs keep their hash and resume), and the value a table
-# written before them holds
-LATER_KEYS = {"cluster.devices_per_node": 0, "cluster.single_rank_collectives": False,
-              "task.optimisers": ["contiguous", "random", "greedy", "swap_search"],
-              "task.load_caps": [None, 1.25, 1.15, 1.1], "task.swap_time_limit_s": 10.0,
-              "task.total_tokens": 0, "task.routers": None, "task.sample_layers": 0,
-              "task.synthetic_tokens": 0,
-              # the load workloads and EPLB's placements (task.trace is left out: task=simulate
-              # has hashed its null since before)
-              "task.max_over_mean": 2.0, "task.incast_device": 0, "task.incast_share": 0.5,
-              "task.placement": "contiguous", "task.num_redundant": 0,
-              # micro-batch co-execution and the gradient sync's schedule (issue 28)
-              "task.microbatches": 1, "task.grad_sync": "end",
-              "task.migration": False, "task.held_out_tokens": None}
+# keys recorded with the config (run_config.json) but neither hashed nor compared on resume: the
+# systems a capability query selected name a sweep's points, never what one point computes (a
+# system added later must not make every finished point refuse to resume)
+RECORDED_ONLY = ("selected_systems",)
 # tables written before a column existed: the value their runs had (``dtype``: the harness's
-# default element type; runs in bfloat16 then were the GPU check's)
-LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32", "trace_sha256": "", "placement": "", "migration": False,
-                 "expert": -1}
+# default element type; runs in bfloat16 then were the GPU check's); the settings' columns
+# read as what such a table held of them elsewhere (:func:`analysis.load.settings_as_columns`)
+LATER_COLUMNS = {"devices_per_node": 0, "dtype": "float32", "trace_sha256": "", "expert": -1}
+
+
+def _compared(hashed: dict) -> dict:
+    """``hashed`` without the :data:`RECORDED_ONLY` keys: what a digest and a resume compare."""
+    return {k: v for k, v in hashed.items() if not any(k == n or k.startswith(n + ".") for n in RECORDED_ONLY)}
 
 
 def row(metric: str, value: float, unit: str, *, layer: int = -1, rank: int = -1, phase: str = "",
@@ -122,25 +118,31 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def hashed_config(cfg_container: dict) -> dict:
-    """The composed config (resolved, plain containers) as it is hashed: flattened, without
-    the keys that do not change results (:data:`NOT_HASHED`)."""
+    """The composed config (resolved, plain containers) flattened, without the keys that do
+    not change results (:data:`NOT_HASHED`); a run hashes it :func:`without_later` keys
+    (:func:`occult.runner.run_hashed_config`)."""
     flat = flatten({k: v for k, v in cfg_container.items() if k != "hydra"})
-    return {k: v for k, v in flat.items() if not any(k == n or k.startswith(n + ".") for n in NOT_HASHED)
-            and not (k in LATER_KEYS and v == LATER_KEYS[k])}
+    return {k: v for k, v in flat.items() if not any(k == n or k.startswith(n + ".") for n in NOT_HASHED)}
+
+
+def without_later(hashed: dict, later: dict) -> dict:
+    """``hashed`` without the keys at their ``later`` value (``later``: ``{key: the value
+    configs held before the key existed}``, :func:`occult.config.later_keys`): a config
+    written before a key existed and one at its later value hash alike."""
+    return {k: v for k, v in hashed.items() if not (k in later and v == later[k])}
 
 
 def config_hash(hashed: dict) -> str:
     """A short digest of :func:`hashed_config` (canonical JSON, sorted keys)."""
-    text = json.dumps(hashed, sort_keys=True, default=str)
+    text = json.dumps(_compared(hashed), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def config_diff(stored: dict, current: dict) -> list:
-    """Keys whose values differ between two :func:`hashed_config` dicts, as ``key: a -> b``
-    (a key at its :data:`LATER_KEYS` default counts as absent: a config stored before the
-    key became one of them held it)."""
-    stored, current = ({k: v for k, v in d.items() if not (k in LATER_KEYS and v == LATER_KEYS[k])}
-                       for d in (stored, current))
+def config_diff(stored: dict, current: dict, later: dict) -> list:
+    """Keys whose values differ between two hashed configs, as ``key: a -> b`` (a key at its
+    ``later`` value counts as absent: a config stored before the key existed held it;
+    :func:`without_later`)."""
+    stored, current = without_later(_compared(stored), later), without_later(_compared(current), later)
     keys = sorted(set(stored) | set(current))
     missing = "<absent>"
     return [f"{k}: {stored.get(k, missing)!r} -> {current.get(k, missing)!r}" for k in keys
@@ -166,19 +168,23 @@ def read_run_config(out_dir) -> "dict | None":
 
 
 def make_frame(rows: list, context: dict) -> pd.DataFrame:
-    """Rows plus the run's context and provenance, in the schema's column order. A row
-    may carry its own value of a context column (e.g. one of several systems a run
-    compares); the run's value fills the rest. Columns added to the schema later
-    (:data:`LATER_COLUMNS`) default to the value older runs had."""
-    own = [c for c in CONTEXT_COLUMNS if any(c in r for r in rows)]
+    """Rows plus the run's context and provenance, in the schema's column order: the
+    context's keys beyond :data:`CONTEXT_COLUMNS`, the run's settings
+    (:func:`occult.runner.run_context`), follow those, by name. A row may carry its own value
+    of a context column or setting (e.g. one of several systems a run compares); the run's
+    value fills the rest. Columns added to the schema later (:data:`LATER_COLUMNS`) default
+    to the value older runs had."""
+    settings = sorted(k for k in context if k not in COLUMNS)
+    order = CONTEXT_COLUMNS + settings + MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
+    own = [c for c in CONTEXT_COLUMNS + settings if any(c in r for r in rows)]
     df = pd.DataFrame(rows, columns=MEASUREMENT_COLUMNS + own)
     for key, value in {**provenance(), **LATER_COLUMNS, **context}.items():
         own_value = key in own or key in MEASUREMENT_COLUMNS     # the rows' own values, defaults filling gaps
         df[key] = df[key].where(df[key].notna(), value) if own_value else value
-    missing = [c for c in COLUMNS if c not in df.columns]
+    missing = [c for c in order if c not in df.columns]
     if missing:
         raise ValueError(f"results: context lacks columns {missing}")
-    return df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
+    return df[order + [c for c in df.columns if c not in order]]
 
 
 def _atomic_write(path: Path, write) -> None:

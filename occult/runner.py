@@ -20,12 +20,14 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from .columns import setting_values
+from .config import later_keys, setting_columns
 from .dist import WHOLE_MODEL_PRELOAD, RankFailed, broadcast_from_rank0, job_world, join_job_world, launch
 from .ep import import_object, system_config
 from .ep.measure import clock_name
 from .errors import ConfigError
 from .records import (config_diff, config_hash, has_results, hashed_config, make_frame, read_run_config, row,
-                      write_results, write_run_config)
+                      without_later, write_results, write_run_config)
 from .tasks.options import task_config
 from .validate import validate
 
@@ -42,7 +44,8 @@ SWEEP_POINTS_ENV = "OCCULT_SWEEP_POINTS"
 
 
 def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
-    """The context columns of every row of this run. A task that does not have a column's
+    """The context columns of every row of this run, its settings among them
+    (:func:`occult.columns.setting_values`). A task that does not have a column's
     field writes -1 (``routing``: ``router`` for a whole model, whose own routers route;
     else ""); a task that runs no top-level system writes ``system`` "" (its rows name
     their own systems)."""
@@ -63,11 +66,17 @@ def run_context(cfg: DictConfig, cfg_dict: dict, digest: str) -> dict:
             "tokens_per_rank": (t.total_tokens // c.world_size if getattr(t, "total_tokens", 0)
                                 else getattr(t, "tokens_per_rank", -1)),
             "routing": getattr(t, "routing", "router" if t.whole_model else ""),
-            "trace_sha256": run_trace_sha256(t), "placement": getattr(t, "placement", ""),
-            "migration": bool(getattr(t, "migration", False)),
+            "trace_sha256": run_trace_sha256(t), **run_settings(cfg, t),
             "batch_size": getattr(t, "batch_size", -1), "seq_len": getattr(t, "seq_len", -1),
             "seed": cfg.seed, "config_hash": digest, "clock": t.clock or clock_name(c.backend),
             "launcher": world.kind if world is not None else "local"}
+
+
+def run_settings(cfg: DictConfig, t) -> dict:
+    """The run's settings columns (:func:`occult.columns.setting_values`) from its typed task and
+    system (a task that runs no top-level system: its system columns' ``absent`` values)."""
+    return setting_values({"task": t, "system": system_config(cfg.system) if t.uses_system else None},
+                          setting_columns())
 
 
 def run_trace_sha256(t) -> str:
@@ -79,12 +88,13 @@ def run_trace_sha256(t) -> str:
 
 
 def run_hashed_config(cfg: DictConfig) -> dict:
-    """The composed config as it is hashed (:func:`occult.records.hashed_config`); a task that
-    runs no top-level system leaves ``system`` out (its compared systems are in the task)."""
+    """The composed config as it is hashed (:func:`occult.records.hashed_config`, keys at
+    their later value left out: :func:`occult.config.later_keys`); a task that runs no
+    top-level system leaves ``system`` out (its compared systems are in the task)."""
     container = OmegaConf.to_container(cfg, resolve=True)
     if not task_config(cfg.task).uses_system:
         container.pop("system", None)
-    return hashed_config(container)
+    return without_later(hashed_config(container), later_keys())
 
 
 def already_done(out_dir: Path, hashed: dict) -> bool:
@@ -98,7 +108,7 @@ def already_done(out_dir: Path, hashed: dict) -> bool:
     if stored is None:
         raise ConfigError(f"{out_dir} holds results without a record of their config (written by an older "
                           f"version); {how}")
-    diff = config_diff(stored["config"], hashed)
+    diff = config_diff(stored["config"], hashed, later_keys())
     if stored["config_hash"] == config_hash(hashed) or not diff:
         return True
     raise ConfigError(f"{out_dir} holds results of a different config ({'; '.join(diff)}); {how}")

@@ -191,8 +191,28 @@ def smoke(out_dir: Path, names: list, every_grid: bool, report: bool) -> dict:
         done[name] = {"points": runs, "seconds": time.perf_counter() - t0,
                       "results": sorted(str(p.parent) for p in where.rglob("results.parquet")),
                       "errors": {str(p.parent): p.read_text()[-3000:] for p in where.rglob("error.txt")},
-                      "reports": sorted(str(p) for p in where.rglob("report.md"))}
+                      "reports": sorted(str(p) for p in where.rglob("report.md")),
+                      "metrics": metric_names(where)}
     return done
+
+
+def metric_names(where: Path) -> list:
+    """Every metric name in the results tables under ``where``."""
+    import pandas as pd
+
+    names = set()
+    for p in where.rglob("results.parquet"):
+        names.update(pd.read_parquet(p, columns=["metric"]).metric.unique())
+    return sorted(names)
+
+
+def schema_fields() -> set:
+    """The field names of every schema a run is composed of (the cluster's, the model's, every
+    system's and task's: :func:`occult.config.schemas`): no metric may have one of them, as a
+    setting is a column of every row (:mod:`occult.columns`), never a metric row."""
+    from occult.config import schemas
+
+    return {f.name for classes in schemas().values() for cls in classes for f in dataclasses.fields(cls)}
 
 
 def cpu_seconds() -> float:

@@ -91,3 +91,20 @@ def test_the_advisor_picks_the_largest_world_that_divides_the_experts():
     assert world_size_of(Request(model="deepseek_v3", profile="sim_h200_nodes"), 256) == 256
     with pytest.raises(ValueError, match="none divides model's 60 experts"):
         world_size_of(Request(model="qwen_moe", profile="sim_h200_nodes"), 60)
+
+
+def test_the_advisors_candidates_are_the_registered_systems_it_can_simulate(tmp_path):
+    """Every registered exact expert-parallel system with a traffic plan (the scale study's
+    seven among them), none without a plan, a lossy one or one that needs its own model; a
+    system whose schedule a cost rule decides is simulated with the advised profile."""
+    from analysis.advise import candidates, point_overrides
+    found = candidates()
+    assert {"naive", "occult", "occult_placed", "hierarchical_node", "hierarchical_device", "allgather",
+            "tutel"} <= set(found)
+    assert not {"hierarchical", "lsh", "luffy", "reference", "scmoe", "occult_prune_score", "adaptive_topk"} & set(found)
+    assert parse(["model=m", "profile=p"]).systems == found
+    assert point_overrides("shadow", tmp_path, "sim_h200_nodes") == ["system=shadow", "system.profile=sim_h200_nodes"]
+    assert point_overrides("hierarchical_node", tmp_path, "sim_h200_nodes") == ["system=hierarchical",
+                                                                                "system.dedup=node"]
+    assert point_overrides("occult_placed", tmp_path, "x") == ["system=occult_placed",
+                                                               f"system.placement_file={tmp_path / 'placements.json'}"]

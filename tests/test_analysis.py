@@ -19,8 +19,8 @@ from analysis.sections import resolve_builders
 from analysis.lcc import component_growth, largest_component, token_counts, topk_from_logits, uniform_lcc_curve
 from analysis.load import load_runs
 from analysis.report import write_report
-from occult.config import register
-from occult.ep import links
+from occult.config import register, setting_columns
+from occult.ep import links, profiles
 from occult.records import make_frame, row, write_results
 
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
@@ -77,7 +77,7 @@ def test_a2a_time_on_a_hand_example():
 
 def test_a2a_time_across_nodes_uses_the_nic_share():
     # 4 ranks, 2 per node: intra 10 GB/s; one 1 GB/s NIC per node shared by 2 devices -> 0.5 GB/s
-    prof = links.profile_from_dict({"name": "t", "world_size": 4, "devices_per_node": 2,
+    prof = profiles.profile_from_dict({"name": "t", "world_size": 4, "devices_per_node": 2,
                                  "intra_node_GBps": 10.0, "intra_node_latency_us": 5.0, "inter_node_GBps": 1.0,
                                  "nics_per_node": 1, "inter_node_latency_us": 20.0, "device_TFLOPs": 1.0,
                                  "dtype": "bfloat16"})
@@ -94,18 +94,18 @@ def test_a2a_time_across_nodes_uses_the_nic_share():
 
 
 def test_efficiency_scales_the_link():
-    prof = links.profile_from_dict({"name": "t", "world_size": 2, "intra_node_GBps": 10.0,
+    prof = profiles.profile_from_dict({"name": "t", "world_size": 2, "intra_node_GBps": 10.0,
                                  "link_efficiency": 0.5, "device_TFLOPs": 2.0, "compute_efficiency": 0.25,
                                  "dtype": "bfloat16"})
     assert prof.at(2).intra_Bps == pytest.approx(5e9) and prof.at(2).flops == pytest.approx(0.5e12)
 
 
 def test_every_sim_profile_loads():
-    names = links.available_profiles()
+    names = profiles.available_profiles()
     assert {"sim_a6000x4", "sim_a6000x8", "sim_a6000x16", "sim_h100x8", "sim_h100x2node",
             "sim_h100x8node"} <= set(names)
     for name in names:
-        p = links.load_profile(name)
+        p = profiles.load_profile(name)
         assert p.name == name and p.source
 
 
@@ -118,13 +118,17 @@ def test_calibration_fit_recovers_a_line():
 # synthetic runs in the results schema
 # ---------------------------------------------------------------------------
 
+# the settings' columns of a run whose task and system have none of their fields
+ABSENT_SETTINGS = {name: absent for name, (_, absent) in setting_columns().items()}
+
+
 def _context(system, model, task, P, E, K, D, F, routing="uniform", T=64, options=None):
     return {"run_id": f"t/{system}/{model}/{task}/{P}/{K}/{routing}", "experiment": "synthetic", "label": "",
             "system": system, "impl": "harness", "system_options": json.dumps(options or {}, sort_keys=True),
             "model": model, "init": "random", "task": task, "cluster": f"cpu{P}",
             "world_size": P, "num_experts": E, "top_k": K, "hidden_size": D, "expert_ffn_size": F,
             "tokens_per_rank": T, "routing": routing, "batch_size": 2, "seq_len": 32, "seed": 0,
-            "config_hash": f"{system}{P}{K}{routing}"}
+            "config_hash": f"{system}{P}{K}{routing}", **ABSENT_SETTINGS}
 
 
 def _comm_rows(P, rows_per_peer, D, layers=(0,), directions=("forward", "backward")):
@@ -240,7 +244,7 @@ def synthetic_sweep(tmp_path):
 def test_projection_of_a_run_by_hand(tmp_path):
     run = layer_run("naive", 2, 8, 1.9, a2a_ms=1.0, rows_per_peer=100, D=32)
     run["run_dir"] = "r"
-    prof = links.profile_from_dict({"name": "t", "world_size": 2, "intra_node_GBps": 1.0,
+    prof = profiles.profile_from_dict({"name": "t", "world_size": 2, "intra_node_GBps": 1.0,
                                  "intra_node_latency_us": 10.0, "device_TFLOPs": 1.0, "dtype": "bfloat16"})
     proj = projection.project_run(run, prof)
     # each phase: every rank sends 100 rows x 32 x 4 bytes to the one other rank
@@ -260,7 +264,7 @@ def test_projection_of_a_run_by_hand(tmp_path):
 def test_projected_rows_are_labelled(synthetic_sweep):
     from analysis.load import load_runs
     df = load_runs(synthetic_sweep)
-    proj = projection.project_runs(df, links.load_profile("sim_a6000x4"), target="real")
+    proj = projection.project_runs(df, profiles.load_profile("sim_a6000x4"), target="real")
     assert not proj.empty and set(proj.source) == {"projected"}
     assert set(proj.target_model) >= {"olmoe"}                     # olmoe_proxy -> olmoe
     totals = projection.projected_totals(proj)
@@ -302,7 +306,7 @@ def test_calibration_points_from_rows():
     assert pt["world_size"] == 4 and pt["latency_us"] == pytest.approx(500, rel=1e-6)
     assert pt["GBps"] == pytest.approx(1.0, rel=1e-6)                     # 1 ms per MB
     assert pt["TFLOPs"] > 0 and pt["expert_call_us"] >= 0
-    assert links.profile_from_dict(profile_dict([pt], "test")).at(4).intra_Bps == pytest.approx(1e9, rel=1e-6)
+    assert profiles.profile_from_dict(profile_dict([pt], "test")).at(4).intra_Bps == pytest.approx(1e9, rel=1e-6)
 
 
 def test_report_writes_tables_and_figures(synthetic_sweep, tmp_path, monkeypatch):
@@ -365,7 +369,7 @@ def _cfg(*overrides, hydra: bool = False):
         return compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
 
-@pytest.mark.parametrize("name", links.available_profiles())
+@pytest.mark.parametrize("name", profiles.available_profiles())
 def test_projection_profiles_are_not_clusters(name):
     """Profiles live in their own group (conf/profile): as a cluster they do not compose,
     and the one-line message points at the projection command."""
@@ -380,7 +384,7 @@ def test_projection_profiles_are_not_clusters(name):
 
 def test_profile_schema_names_a_bad_field():
     with pytest.raises(ValueError, match=r"profile=t: .*intra_node_gbps"):
-        links.profile_from_dict({"name": "t", "intra_node_gbps": 10.0})
+        profiles.profile_from_dict({"name": "t", "intra_node_gbps": 10.0})
 
 
 def test_experiments_compose():
@@ -771,7 +775,7 @@ def test_two_configs_of_one_system_in_one_folder_stay_two_rows(tmp_path):
         shown = dict(section.tables)[table]
         assert len(shown[shown.system == "occult"]) == 2, table
     assert len(strategies_table(df).query("system == 'occult'")) == 2
-    proj = projection.projected_totals(projection.project_runs(df, links.load_profile("sim_a6000x4")))
+    proj = projection.projected_totals(projection.project_runs(df, profiles.load_profile("sim_a6000x4")))
     assert proj.query("system == 'occult'").run_id.nunique() == 4           # layer and prefill, two each
     # the benchmark: both configs compared in one world, each its own row and ratio to naive
     world = _one_world(_configs_of_occult(lambda s: layer_run(s, 4, 8, 3.4, 1.0, 16))).assign(task="bench")
@@ -893,3 +897,30 @@ def test_report_words_and_tables_a_person_reads(tmp_path):
     lines = section_lines(Section("t", data=[("curves", long)]), tmp_path)
     assert "**curves**: 100 rows in [curves.csv](curves.csv)" in "\n".join(lines) and "| 99 " not in "\n".join(lines)
     assert len(pd.read_csv(tmp_path / "curves.csv")) == 100
+
+
+def test_a_summary_tells_apart_rows_that_differ_in_a_task_setting_or_in_one_systems_options(tmp_path):
+    """Rows that differ only in a task setting no column shows (fine-tuning steps 0 and 100, as
+    in experiment=lossy_front) show it; a system's options are compared with its own other
+    configs only (naive's defaults are not listed because occult's differ)."""
+    import json
+
+    from analysis.sections import readable
+    from analysis.summary import run_table
+    from occult.records import CONTEXT_COLUMNS, make_frame, row, write_results, write_run_config
+
+    def one(name, system, options, steps):
+        context = {c: 0 for c in CONTEXT_COLUMNS}
+        context.update(run_id=f"x/{name}", experiment="x", system=system, impl="harness", label="", model="m",
+                       system_options=json.dumps(options), init="random", task="finetune", cluster="cpu4",
+                       routing="router", clock="host", tokens_per_rank=8)
+        write_results(make_frame([row("ct_all", 2.0, "devices/token")], context), tmp_path / name)
+        write_run_config(tmp_path / name, {"task.name": "finetune", "task.steps": steps, "system.name": system})
+
+    one("n0", "naive", {"payload": "none"}, 0)
+    one("n1", "naive", {"payload": "none"}, 100)
+    one("o1", "occult", {"budget": 1, "payload": "none"}, 100)
+    one("o2", "occult", {"budget": 2, "payload": "none"}, 100)
+    shown = readable(run_table(load_runs([tmp_path])).sort_values("run_id")).set_index("run_id").options
+    assert shown.to_dict() == {"x/n0": "task.steps=0", "x/n1": "task.steps=100",
+                               "x/o1": "task.steps=100, budget=1", "x/o2": "task.steps=100, budget=2"}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from smoke_helpers import experiments
+from smoke_helpers import experiments, schema_fields
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,8 @@ def smoke(out: Path, *flags: str, timeout: float) -> dict:
 
 
 def assert_all_ran(done: dict, reports: bool = False) -> None:
-    """Each experiment's every point exited 0 and wrote results; no point left an error."""
+    """Each experiment's every point exited 0 and wrote results; no point left an error; no
+    metric is named as a schema field."""
     assert sorted(done["experiments"]) == experiments()
     failed = {}
     for name, ran in done["experiments"].items():
@@ -47,6 +48,10 @@ def assert_all_ran(done: dict, reports: bool = False) -> None:
             failed[name] = {"points": bad, "errors": [_last_error(e) for e in ran["errors"].values()],
                             "results": len(ran["results"]), "reports": ran["reports"]}
     assert not failed, json.dumps(failed, indent=1)
+    fields = schema_fields()
+    settings = {name: sorted(fields.intersection(ran["metrics"])) for name, ran in done["experiments"].items()}
+    assert not any(settings.values()), ("metrics named as schema fields (a setting is a column, occult/columns.py): "
+                                        + json.dumps({k: v for k, v in settings.items() if v}))
 
 
 def _last_error(traceback: str) -> str:

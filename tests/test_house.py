@@ -17,7 +17,7 @@ from occult.config import CONF_DIR, register
 from occult.dist import RankFailed, launch
 from occult.ep import system_config
 from occult.parity import run_grid
-from occult.records import config_hash, hashed_config
+from occult.records import config_diff, config_hash, hashed_config
 
 import helpers
 from test_parity import cases_for, failures_of, parity_jobs
@@ -95,6 +95,7 @@ def toy(tmp_path, monkeypatch):
     yield tmp_path
     for module in ("toy_split", "toy_sub"):
         sys.modules.pop(module, None)
+    register()          # the registered systems: conf/'s again
 
 
 CAPABILITIES = TOY_CLASS[TOY_CLASS.index("    capabilities = "):TOY_CLASS.index("    @dataclass")]
@@ -124,6 +125,53 @@ def test_adding_the_toy_system_adds_its_row_to_the_capability_table_and_nothing_
     assert [line for line in after if "`toy`" not in line] == before
     assert [line for line in after if "`toy`" in line][0].startswith("| `toy` | harness | float64 | yes | yes | yes |")
     assert "- `toy`, traffic plan: it does not implement Dispatcher.plan." in after
+
+
+def test_the_toy_system_joins_the_palette_the_systems_table_and_the_capability_selected_experiments(toy):
+    """Registered from its folder alone, the toy has a colour and marker of its own (the paper's
+    systems keep theirs), a row in the systems tables (README, docs), a place in the experiments that
+    select every exact system by capability (resolved when composed, kept in the config); a
+    query it fails leaves it out (the advisor's, which needs a traffic plan, too)."""
+    from omegaconf import OmegaConf
+
+    from analysis.advise import candidates
+    from analysis.plots import SYSTEM_COLORS, system_styles
+    from occult.capability_table import (DOC, DOCS_BEGIN, DOCS_END, README, README_BEGIN, README_END, docs_table,
+                                         readme_table, with_table)
+
+    for path, block, begin, end in ((README, readme_table, README_BEGIN, README_END),
+                                    (DOC, docs_table, DOCS_BEGIN, DOCS_END)):
+        committed = path.read_text()
+        assert with_table(committed, block(), begin, end) == committed, f"{path.name}'s systems table is not " \
+            "conf/system's: make docs-systems"
+    before = system_styles()
+    register([toy / "conf"])
+    styles = system_styles()
+    assert "toy" not in before and {s: styles[s] for s in before} == before
+    assert styles["toy"][0] not in {c for s, (c, _) in styles.items() if s != "toy"}
+    assert all(styles[s][0] == c for s, c in SYSTEM_COLORS.items())
+    rows = readme_table([toy / "conf"]).splitlines()
+    assert [r for r in rows if "`toy`" not in r] == readme_table().splitlines()
+    assert "| `toy` | harness | yes | A toy system (tests/test_house.py). |" in rows
+    rows = docs_table([toy / "conf"]).splitlines()
+    assert [r for r in rows if "`toy`" not in r] == docs_table().splitlines()
+    assert "| `toy` | harness | A toy system (tests/test_house.py). |" in rows
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=strategies"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    for grid, selected in (("m", "exact"), ("b8", "bytes")):
+        assert "toy" in params[f"{grid}/system"].split(",") and params[f"{grid}/system"] == cfg.selected_systems[selected]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):      # a point of grid m
+        point = compose("config", overrides=[f"hydra.searchpath=[file://{toy / 'conf'}]", "experiment=strategies",
+                                             "system=toy", "+selected_systems.static="
+                                             "${systems_with:static_dispatch}"])
+    recorded = hashed_config(OmegaConf.to_container(point, resolve=True))         # run_config.json's
+    assert "toy" in recorded["selected_systems.exact"].split(",") and recorded["system.name"] == "toy"
+    assert recorded["selected_systems.static"] == "naive,occult,occult_placed,occult_prune_score,occult_prune_sim"
+    # recorded, not hashed: a system added later leaves every finished point's digest (and resume) as it was
+    unselected = {k: v for k, v in recorded.items() if not k.startswith("selected_systems.")}
+    assert config_hash(recorded) == config_hash(unselected) and not config_diff(recorded, unselected, {})
+    assert "toy" not in candidates() and "naive" in candidates()     # the advisor simulates plans: the toy has none
 
 
 def run_py(*args, env=None, check=True, timeout=400):
@@ -241,6 +289,9 @@ BAD_INPUT = [
     # a sweep whose prefill point cannot take decode's option: refused before any point runs
     (["-m", "task=decode,prefill", "model=olmoe_proxy", "task.new_tokens=4"],
      "error: task.new_tokens: task=prefill does not read it; its fields: "),
+    # a capability query with a term that is no capability: refused where the sweep is composed
+    (["-m", "experiment=modern_models", "selected_systems.exact=${systems_with:exact_forward, fast}"],
+     "error: systems_with: 'fast': a term is <capability>, not <capability> or except <system>; capabilities: "),
 ]
 
 

@@ -18,7 +18,8 @@ may import its own level and any level below:
      occult.kernels, occult.records,
      occult.routing_traces
   7  occult.ep                           the neutral core: knows no system by name
-  8  occult.errors, occult.synthetic     below everything
+  8  occult.errors, occult.synthetic,    below everything (occult.columns: how a schema
+     occult.columns                      field declares a setting column or a later key)
 
 And rules that the order alone does not say: ``analysis`` never starts ranks (it does
 not import the launcher, the runner, the tasks or the parity runs), and the method
@@ -45,7 +46,7 @@ LEVELS = {
     "occult.pruning": 6, "occult.placement": 6, "occult.kernels": 6, "occult.records": 6,
     "occult.routing_traces": 6, "occult.workloads": 6,
     "occult.ep": 7,
-    "occult.errors": 8, "occult.synthetic": 8,
+    "occult.errors": 8, "occult.synthetic": 8, "occult.columns": 8,
 }
 FORBIDDEN = {   # importer prefix -> imported prefixes it must not use, whatever the levels say
     "analysis": ("occult.dist", "occult.runner", "occult.cli", "occult.tasks", "occult.parity"),

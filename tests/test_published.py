@@ -102,7 +102,7 @@ def test_an_old_profile_loads_and_prices_as_before():
     import numpy as np
 
     from analysis.pricing import a2a_seconds
-    from occult.ep.links import profile_from_dict
+    from occult.ep.profiles import profile_from_dict
     old = {"name": "old", "world_sizes": [16], "devices_per_node": 8, "intra_node_GBps": 100.0,
            "intra_node_latency_us": 10.0, "inter_node_GBps": 10.0, "nics_per_node": 8, "inter_node_latency_us": 20.0,
            "link_efficiency": 0.5}

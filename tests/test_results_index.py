@@ -44,9 +44,11 @@ def test_index_lists_the_log_and_the_headlines(tmp_path, monkeypatch):
     log = {"table1_ct_runtime": {
         "command": "python run.py experiment=table1_ct_runtime", "commit": "abc", "clean": True, "dirty_files": [],
         "wall_s": 60.0, "finished": "2026-12-05 04:00 UTC", "figures": ["table1_ct_runtime/table1_ct_runtime.png"],
+        "load_1min": {"min": 1.5, "median": 3.25, "max": 9.0, "n": 4},
         "headlines": {"value": {n: 0.5 for n in names}, "samples": {n: [0.4, 0.5, 0.6] for n in names}}}}
     text = results.write_index(log).read_text()
-    assert "| [table1_ct_runtime](table1_ct_runtime.md) | `python run.py experiment=table1_ct_runtime` | 1.0 min |" in text
+    assert ("| [table1_ct_runtime](table1_ct_runtime.md) | `python run.py experiment=table1_ct_runtime` | 1.0 min | "
+            "1.5 / 3.2 / 9.0 |") in text
     assert "Still hand copies (banner kept): [fig3_lcc.md](fig3_lcc.md)." in text
     assert "| table1_ct_runtime | r(C_T, remote bytes per rank) | 0.93 (:6) | 0.500 | 0.400 to 0.600 (3, iterations) | yes |" in text
     assert "Not compared yet (not rerun by `make results`; their hand copies keep their banner): " \
@@ -59,3 +61,16 @@ def test_a_dirty_tree_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["results", "--only", "table1_ct_runtime"])
     with pytest.raises(SystemExit, match="the tree has changes outside docs/results \\(occult/x.py\\)"):
         results.main()
+
+
+def test_the_load_sampler_reads_the_load_while_a_command_runs(tmp_path, monkeypatch):
+    """Every sample is the load average at its time (a fake clock of loads 1, 2, 3, ...), taken
+    from the command's start to its end, at least once."""
+    loads = iter(range(1, 1000))
+    monkeypatch.setattr(results.os, "getloadavg", lambda: (float(next(loads)), 0.0, 0.0))
+    sampler = results.LoadSampler(every_s=0.05)
+    rc, wall = results.run_logged([sys.executable, "-c", "import time; time.sleep(0.3)"], tmp_path / "log", "", sampler)
+    s = sampler.summary()
+    assert rc == 0 and wall >= 0.3
+    assert s["min"] == 1.0 and s["max"] == s["n"] and 3 <= s["n"] <= 2 + wall / 0.05
+    assert s["median"] == (1 + s["n"]) / 2

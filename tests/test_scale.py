@@ -26,7 +26,7 @@ def _frame(rows: pd.DataFrame, **context) -> pd.DataFrame:
 def test_per_rank_totals_price_as_the_peer_pairs_do_and_count_the_messages():
     """A world simulated without peer rows (task.peer_rows=false) projects to the same times as
     the same world with them, on a profile of two nodes; its messages are the peer pairs with rows."""
-    from occult.ep.links import load_profile, profile_fields, profile_from_dict
+    from occult.ep.profiles import load_profile, profile_fields, profile_from_dict
 
     from analysis.projection import project_runs, projected_totals
     profile = load_profile("sim_h100_nodes")
@@ -54,7 +54,7 @@ def test_per_rank_totals_price_as_the_peer_pairs_do_and_count_the_messages():
 
 
 def test_totals_are_not_resized_to_another_width():
-    from occult.ep.links import load_profile
+    from occult.ep.profiles import load_profile
 
     from analysis.projection import Target, project_runs
     rows = _frame(simulated_rows("cluster.world_size=16", "cluster.devices_per_node=8", "task.tokens_per_rank=8",
@@ -87,7 +87,7 @@ def test_a_synthetic_source_is_drawn_once_and_resampled_for_a_larger_world():
     rows = simulated_rows("cluster.world_size=4", "task.tokens_per_rank=32", "task.synthetic_tokens=64",
                           "task.peer_rows=false", "task.backward=false")
     flag = lambda name: float(rows[rows.metric == name].value.iloc[0])
-    assert flag("source_tokens") == 64 and flag("resampled_tokens") == 1.0
+    assert flag("source_size") == 64 and flag("resampled_tokens") == 1.0
     assert rows[(rows.metric == "tokens") & (rows["rank"] == -1)].value.iloc[0] == 128
 
 
@@ -126,14 +126,14 @@ def test_place_refuses_bad_input_in_one_line():
 
 
 def test_node_profiles_cover_whole_nodes_only():
-    from occult.ep import links
+    from occult.ep import profiles
     for name in ("sim_h100_nodes", "sim_h200_nodes"):
-        p = links.load_profile(name)
+        p = profiles.load_profile(name)
         assert p.sizes() == [8, 16, 32, 64, 128, 256] and p.at(256) == p.at(8) and p.memory_GB > 0
         with pytest.raises(ValueError, match=r"has links for world sizes \[8, 16"):
             p.at(12)
     with pytest.raises(ValueError, match="world_sizes=\\[12\\]: allowed values are positive world sizes that fill whole"):
-        links.profile_from_dict({"name": "t", "world_sizes": [12], "devices_per_node": 8, "intra_node_GBps": 1.0})
+        profiles.profile_from_dict({"name": "t", "world_sizes": [12], "devices_per_node": 8, "intra_node_GBps": 1.0})
 
 
 def test_crossovers_read_where_the_answer_changes():
@@ -154,7 +154,7 @@ def test_project_command_takes_a_profile_path_and_names_its_files_by_the_profile
     import sys
 
     from analysis import project
-    from occult.ep.links import profile_path
+    from occult.ep.profiles import profile_path
     from occult.records import write_results
     rows = _frame(simulated_rows("cluster.world_size=16", "cluster.devices_per_node=8", "task.tokens_per_rank=8",
                                  "task.peer_rows=false", "task.backward=false"))

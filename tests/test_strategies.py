@@ -10,8 +10,9 @@ import yaml
 
 from analysis import pricing, projection
 from occult.dist import launch
-from occult.ep import Placement, links
-from occult.ep.links import Link, link_at, pipeline_seconds
+from occult.ep import Placement
+from occult.ep.links import Link, pipeline_seconds
+from occult.ep.profiles import Profile, link_at
 from occult.parity import LayerCase, run_grid, run_model_grid
 
 from systems import system
@@ -253,7 +254,8 @@ def _run_frame(rows: list, P: int = 2, devices_per_node: int = 0):
             "unit": ""}
     df = pd.DataFrame([{**base, **r} for r in rows])
     ctx = {"world_size": P, "devices_per_node": devices_per_node, "hidden_size": 10, "expert_ffn_size": 10,
-           "top_k": 1, "num_experts": 2, "tokens_per_rank": 100, "model": "toy", "run_dir": "x"}
+           "top_k": 1, "num_experts": 2, "tokens_per_rank": 100, "model": "toy", "run_dir": "x",
+           "microbatches": 1}
     return df.assign(**ctx)
 
 
@@ -282,7 +284,7 @@ def test_a_pipelined_layer_is_projected_with_its_overlap():
     rows = (_collective("dispatch", "forward", 0, 1, 1e6, 2) + _collective("combine", "forward", 1, 0, 1e6, 2)
             + [{"metric": "tokens", "value": 100, "unit": "tokens", "rank": r} for r in (0, 1)]
             + [{"metric": "pipeline_degree", "value": 2, "unit": "chunks", "rank": r} for r in (0, 1)])
-    profile = links.Profile("toy", 2, "float32", link=Link(intra_latency_s=0.0, intra_Bps=1e9, flops=3e7))
+    profile = Profile("toy", 2, "float32", link=Link(intra_latency_s=0.0, intra_Bps=1e9, flops=3e7))
     proj = projection.project_run(_run_frame(rows), profile).set_index("component")
     # 1 ms per exchange, 2 ms of experts; 2 chunks: 0.5 + 1 + 0.5 + max(0.5 + 0.5, 1) = 3 ms, not 4
     assert proj.loc["a2a:dispatch", "ms"] == pytest.approx(1.0) and proj.loc["experts", "ms"] == pytest.approx(2.0)
@@ -293,7 +295,7 @@ def test_weight_rows_are_resized_to_the_target_model():
     weight_row = 3 * 10 * 10 * 4                          # one expert of the run (D = F = 10, float32)
     rows = _collective("fetch_weights", "forward", 0, 1, 5 * weight_row, 1)
     rows[1]["value"] = 5                                    # five experts
-    profile = links.Profile("toy", 2, "bfloat16", link=Link(intra_latency_s=0.0, intra_Bps=1e9))
+    profile = Profile("toy", 2, "bfloat16", link=Link(intra_latency_s=0.0, intra_Bps=1e9))
     proj = projection.project_run(_run_frame(rows), profile, projection.Target("big", 100, 200, 1)).set_index("component")
     assert proj.loc["a2a:fetch_weights", "ms"] == pytest.approx(5 * 3 * 100 * 200 * 2 / 1e9 * 1e3)
 
@@ -304,7 +306,7 @@ def test_metadata_rows_keep_their_size_and_decode_pipelines_per_step():
     meta = _collective("dispatch_meta", "forward", 0, 1, 800.0, 1)
     meta.append({**meta[0], "metric": "meta_bytes"})
     hidden = _collective("dispatch", "forward", 0, 1, 800.0, 1)
-    profile = links.Profile("toy", 2, "float32", link=Link(intra_latency_s=0.0, intra_Bps=1e9))
+    profile = Profile("toy", 2, "float32", link=Link(intra_latency_s=0.0, intra_Bps=1e9))
     big = projection.Target("big", 100, 10, 1)
     proj = projection.project_run(_run_frame(meta + hidden), profile, big).set_index("component")
     assert proj.loc["a2a:dispatch_meta", "ms"] == pytest.approx(800 / 1e9 * 1e3)
@@ -408,8 +410,10 @@ def test_modern_models_experiment_runs_and_reports(tmp_path):
     assert (tmp_path / "report.md").is_file()
 
 
-def _schedule_run(task: str, label: str, latency: float, rows: list):
-    """A whole-model run at P = 4 of naive on a toy model: its latency row and ``rows``."""
+def _schedule_run(task: str, label: str, latency: float, rows: list, settings: dict = None):
+    """A whole-model run at P = 4 of naive on a toy model: its latency row and ``rows``, with
+    ``settings`` as its columns (None: a table written before they were columns, whose rows
+    hold them)."""
     import pandas as pd
     from analysis.summary import RUN_KEYS
     metric, phase = {"prefill": ("ttft", "prefill"), "train": ("step_time", "train")}[task]
@@ -417,33 +421,53 @@ def _schedule_run(task: str, label: str, latency: float, rows: list):
     df = pd.DataFrame([{**base, **r} for r in [{"metric": metric, "value": latency, "phase": phase, "sample": 0},
                                                 *rows]])
     keys = {k: 0 for k in RUN_KEYS} | {"experiment": "x", "model": "toy", "task": task, "cluster": "cpu4",
-                                       "world_size": 4, "routing": "router", "placement": ""}
+                                       "world_size": 4, "routing": "router", "placement": ""} | (settings or {})
     return df.assign(**keys, system="naive", impl="harness", label=label, system_options="{}", run_dir="x",
                      run_id=f"{task}/{label}")
+
+
+def _schedule_runs(old: bool):
+    """Four runs (plain and scheduled prefill and train): in today's table, their settings as
+    columns; ``old``: as a table written at 57d74c1 held them, metric rows of rank 0 (the
+    gradient sync's schedule as its index in GRAD_SYNCS then)."""
+    import pandas as pd
+    fwd = lambda rank, v, phase="dispatch": {"metric": "a2a_time", "value": v, "phase": phase, "pass": "forward",
+                                            "layer": 0, "rank": rank, "sample": 0}
+    waits = lambda rank, v: {"metric": "time", "value": v, "phase": "exposed_comm", "pass": "forward", "layer": 0,
+                             "rank": rank, "sample": 0}
+    settings = lambda mb, sync: (None if old else {"microbatches": mb, "grad_sync": sync, "migration": False,
+                                                   "dispatch_mode": "dynamic"})
+    old_rows = lambda *rows: list(rows) if old else []
+    return pd.concat([
+        _schedule_run("prefill", "", 10.0, [fwd(0, 2.0), fwd(0, 1.0, "combine"), fwd(1, 4.0),
+                                            *old_rows({"metric": "microbatches", "value": 1})], settings(1, "")),
+        _schedule_run("prefill", "mb2", 8.0, [fwd(0, 5.0), fwd(1, 5.0), waits(0, 1.0), waits(0, 0.5), waits(1, 2.0),
+                                              *old_rows({"metric": "microbatches", "value": 2})], settings(2, "")),
+        _schedule_run("train", "", 20.0, [fwd(0, 1.0), *old_rows({"metric": "microbatches", "value": 1},
+                                                                 {"metric": "grad_sync_mode", "value": 0})],
+                      settings(1, "end")),
+        _schedule_run("train", "lina", 30.0, [
+            fwd(0, 1.0), *old_rows({"metric": "microbatches", "value": 1}, {"metric": "grad_sync_mode", "value": 2}),
+            {"metric": "time", "value": 3.0, "phase": "grad_sync", "pass": "backward", "rank": 0, "sample": 0},
+            {"metric": "grad_sync_allreduces", "value": 21, "rank": 0, "sample": 0},
+            {"metric": "grad_sync_started_in_backward", "value": 9, "rank": 0, "sample": 0}], settings(1, "lina"))],
+        ignore_index=True)
 
 
 def test_the_schedules_section_by_hand():
     """Co-executed micro-batches: their exposed waits beside a plain run's collective time;
     the gradient sync's all-reduce left after the backward and its calls; latencies over the
-    same system's plain run."""
+    same system's plain run. A table written at 57d74c1 (settings as metric rows) gives the
+    same section once loaded (:func:`analysis.load.settings_as_columns`)."""
     import pandas as pd
     from analysis.figures.strategies import schedules
-    fwd = lambda rank, v, phase="dispatch": {"metric": "a2a_time", "value": v, "phase": phase, "pass": "forward",
-                                            "layer": 0, "rank": rank, "sample": 0}
-    waits = lambda rank, v: {"metric": "time", "value": v, "phase": "exposed_comm", "pass": "forward", "layer": 0,
-                             "rank": rank, "sample": 0}
-    df = pd.concat([
-        _schedule_run("prefill", "", 10.0, [fwd(0, 2.0), fwd(0, 1.0, "combine"), fwd(1, 4.0),
-                                            {"metric": "microbatches", "value": 1}]),
-        _schedule_run("prefill", "mb2", 8.0, [fwd(0, 5.0), fwd(1, 5.0), waits(0, 1.0), waits(0, 0.5), waits(1, 2.0),
-                                              {"metric": "microbatches", "value": 2}]),
-        _schedule_run("train", "", 20.0, [fwd(0, 1.0), {"metric": "grad_sync_mode", "value": 0}]),
-        _schedule_run("train", "lina", 30.0, [
-            fwd(0, 1.0), {"metric": "grad_sync_mode", "value": 2},
-            {"metric": "time", "value": 3.0, "phase": "grad_sync", "pass": "backward", "rank": 0, "sample": 0},
-            {"metric": "grad_sync_allreduces", "value": 21, "rank": 0, "sample": 0},
-            {"metric": "grad_sync_started_in_backward", "value": 9, "rank": 0, "sample": 0}])])
+    from analysis.load import settings_as_columns
+    df = _schedule_runs(old=False)
+    old = settings_as_columns(_schedule_runs(old=True))
+    assert set(old.metric) == set(df.metric) and len(old) == len(df)      # the settings' rows read as columns
+    [(_, from_old)] = schedules(old)[0].tables
     [section] = schedules(df)
+    pd.testing.assert_frame_equal(from_old, section.tables[0][1], check_like=True)
     t = section.tables[0][1].set_index(["task", "label"])
     assert t.loc[("prefill", ""), "exposed_comm_ms_per_layer"] == t.loc[("prefill", ""), "collectives_ms_per_layer"] == 4.0
     assert t.loc[("prefill", "mb2"), "exposed_comm_ms_per_layer"] == 2.0          # slowest rank's waits

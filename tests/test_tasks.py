@@ -252,7 +252,7 @@ def test_scmoe_prefill_with_two_microbatches_routes_as_one_behind_the_whole_mode
     runs = {}
     for path in sweep.rglob("results.parquet"):
         df = pd.read_parquet(path)
-        runs[int(df[df.metric == "microbatches"].value.item())] = df
+        runs[int(df.microbatches.iloc[0])] = df
     loads = {mb: df[df.metric == "expert_load"].groupby(["layer", "expert"]).value.sum() for mb, df in runs.items()}
     assert sorted(loads[1].index.get_level_values(0).unique()) == [0, 1, 2, 3]
     assert loads[2].equals(loads[1]) and loads[1].sum() == 8 * 2 * 2 * 16 * 4      # K x P x B x S x layers

@@ -158,7 +158,7 @@ def model_table(df: pd.DataFrame) -> pd.DataFrame:
                     "system_options": rows.system_options.iloc[0], "latency_metric": metric,
                     "latency_ms": lat.median(), "remote_MB_fwd": remote.value.sum() / 1e6,
                     "iteration_ms": _iteration_ms(rows, workload), "raw_a2a_ms": _raw_a2a_per_iteration(rows),
-                    "dispatch_mode": _dispatch_mode(rows.system_options.iloc[0]), **_step_traffic(rows),
+                    "dispatch_mode": rows.dispatch_mode.iloc[0], **_step_traffic(rows),
                     "own_index_ms_per_step": _own_per_step(rows), "run_id": run_id})
     table = pd.DataFrame(out)
     if table.empty:
@@ -179,15 +179,6 @@ def model_table(df: pd.DataFrame) -> pd.DataFrame:
              "remote_bytes_ratio", "raw_a2a_ratio", "a2a_only_ratio", "step_wire_KB", "step_valid_KB",
              "step_padding_rows", "own_index_ms_per_step", "run_id"]
     return table[shown]
-
-
-def _dispatch_mode(system_options: str) -> str:
-    """A run's ``system.dispatch_mode`` (``dynamic`` for a system without the option)."""
-    import json
-    try:
-        return str(json.loads(system_options or "{}").get("dispatch_mode", "dynamic"))
-    except ValueError:
-        return "dynamic"
 
 
 def _step_traffic(rows: pd.DataFrame) -> dict:

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from occult.ep.links import Profile, load_profile, profile_from_dict
+from occult.ep.profiles import Profile, load_profile, profile_from_dict
 
 from ..calibration import fit_points, profile_dict
 from ..plots import save, style

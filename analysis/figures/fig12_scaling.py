@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from occult.ep.links import load_profile
+from occult.ep.profiles import load_profile
 
 from ..plots import palette, save, style, system_order
 from ..projection import MEASURED, project_runs, projected_totals, target_model

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from occult.ep.links import load_profile
+from occult.ep.profiles import load_profile
 
 from ..plots import save
 from ..projection import MEASURED, PROJECTED, project_runs, projected_totals

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from occult.ep.links import load_profile
+from occult.ep.profiles import load_profile
 
 from ..plots import hatch_projected, palette, save, style, system_order
 from ..projection import MEASURED, project_runs, projected_totals

@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from occult.ep.links import load_profile
+from occult.ep.profiles import load_profile
 
 from ..plots import save, style
 from ..projection import project_runs, projected_totals

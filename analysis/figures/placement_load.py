@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from occult.ep.links import ELEMENT_BYTES, load_profile
+from occult.ep.links import ELEMENT_BYTES
+
+from occult.ep.profiles import load_profile
 
 from ..plots import plt, save
 from ..pricing import a2a_seconds_of_totals, expert_seconds

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from occult.ep.links import load_profile
+from occult.ep.profiles import load_profile
 
 from ..plots import plt, save, style, system_order
 from ..projection import project_runs, projected_totals

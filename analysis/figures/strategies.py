@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from occult.ep.links import load_profile
+from occult.ep.profiles import load_profile
 
 from ..plots import plt, save, style, system_order
 from ..projection import pipeline_degree, project_runs, projected_totals, target_model
@@ -67,10 +67,10 @@ def collectives_per_layer(run: pd.DataFrame, direction: str = "forward") -> floa
 
 
 def co_executed(run: pd.DataFrame) -> bool:
-    """Whether the run's micro-batches were co-executed (``task.microbatches`` > 1): its
-    spans then hold the other strands' turns, and only ``exposed_comm`` is communication."""
-    m = run[run.metric == "microbatches"].value
-    return bool(len(m)) and float(m.max()) > 1
+    """Whether the run's micro-batches were co-executed (its ``microbatches`` column,
+    ``task.microbatches``, > 1): its spans then hold the other strands' turns, and only
+    ``exposed_comm`` is communication."""
+    return int(run.microbatches.iloc[0]) > 1
 
 
 def exposed_ms(run: pd.DataFrame) -> float:
@@ -240,20 +240,15 @@ def schedules(df: pd.DataFrame) -> list[Section]:
     over the same system's plain run, its forward collectives' time and the part of it left
     exposed, and (train) the backward's all-to-all time and the gradient all-reduce left after
     the backward."""
-    from occult.models.grad_sync import GRAD_SYNCS
-
     runs = df[(df.world_size == MEASURED_WORLD) & df.task.isin(WHOLE_MODEL_TASKS)]
     lat = task_latency(runs)
     if lat.empty:
         return []
     rows = []
     for run_id, run in runs.groupby("run_id", sort=False):
-        mb = run[run.metric == "microbatches"].value
-        mode = run[run.metric == "grad_sync_mode"].value
         layers = max(run[(run.metric == "a2a_time") & (run.layer >= 0)].layer.nunique(), 1)
         fwd = a2a_total_ms(run).get(run_id, float("nan")) / layers
-        rows.append({"run_id": run_id, "microbatches": int(mb.max()) if len(mb) else 1,
-                     "grad_sync": GRAD_SYNCS[int(mode.max())] if len(mode) else "",
+        rows.append({"run_id": run_id, "microbatches": int(run.microbatches.iloc[0]), "grad_sync": run.grad_sync.iloc[0],
                      "collectives_ms_per_layer": fwd,
                      # without co-execution the rank waits for every collective: all of it is exposed
                      "exposed_comm_ms_per_layer": exposed_ms(run) if co_executed(run) else fwd,

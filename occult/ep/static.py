@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as nnf
 
+from ..columns import column
 from .accounting import Recorder, backward_span, span
 from .capabilities import refusal
 from .context import current, entered
@@ -61,7 +62,7 @@ DISPATCH_MODES = ("dynamic", "static")
 class StaticConfig(SystemConfig):
     """Options mixin of a system with a static-shape dispatch (see the module docstring)."""
 
-    dispatch_mode: str = "dynamic"      # dynamic (split sizes exchanged) | static (fixed buffers)
+    dispatch_mode: str = column("dynamic")     # dynamic (split sizes exchanged) | static (fixed buffers)
     max_tokens_per_rank: int = 0        # static: tokens per rank a call may hold (0: the task's tokens per rank)
 
     def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:

@@ -19,7 +19,7 @@ them alike. After the timed layer iterations, more iterations replay each collec
 right after itself as a plain ``all_to_all_single`` of the same split sizes
 (``raw_a2a_time`` beside ``a2a_time_paired``): the harness's own overhead; for whole models the same replay gives
 what the bytes alone can buy at the proxy's width (:func:`model_replay_rows`). Each system's
-rows carry its own ``system``, ``impl``, ``system_options`` and ``run_id`` (the run's
+rows carry its own ``system``, ``impl``, ``system_options``, settings (``dispatch_mode``) and ``run_id`` (the run's
 config digest and a digest of the system's config: two configs of one system are two runs);
 :mod:`analysis.figures.bench` turns them into ratios.
 """
@@ -30,6 +30,7 @@ import json
 
 from omegaconf import OmegaConf
 
+from ..columns import own_settings
 from ..ep import Recorder, system_config
 from ..ep.measure import barrier, iterations, stopwatch
 from ..ep.static import times_by_marks
@@ -101,12 +102,12 @@ def prepare(cfg_dict: dict) -> dict:
 
 
 def _tagged(rows: list, config, base_id: str, world_size: int) -> list:
-    """``rows`` with the compared system's context columns; its ``run_id`` ends in a digest
+    """``rows`` with the compared system's context columns (its settings among them); its ``run_id`` ends in a digest
     of the run's config and the system's own (two configs of one system stay two runs)."""
     digest = config_hash({"run": base_id, "system": json.loads(config.options_json()), "name": config.name,
                           "target": config._target_})
     tag = {"system": config.name, "impl": config.impl_for(world_size), "system_options": config.options_json(),
-           "run_id": f"{base_id}/{config.name}/{digest}"}
+           **own_settings(config), "run_id": f"{base_id}/{config.name}/{digest}"}
     return [{**r, **tag} for r in rows]
 
 

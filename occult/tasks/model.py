@@ -26,7 +26,7 @@ from ..ep import Recorder, system_config
 from ..ep.accounting import recording
 from ..ep.measure import clock, iterations, slowest
 from ..ep.static import dynamic_calls, times_by_marks
-from ..models.grad_sync import GRAD_SYNCS, GradSync
+from ..models.grad_sync import GradSync
 from ..models.runtime import base_model, forward_micro_batches, make_rank_model, micro_batches
 from ..records import row
 from .common import (comm_rows, model_parity_gate, parity_gate, routing_rows, step_span_rows, step_traffic_rows,
@@ -307,10 +307,6 @@ def run_workload(ctx, cfg_dict: dict, workload: str) -> list:
     if runner is not None:
         model = runner(model)
     work = WORKLOADS[workload](ctx, cfg, tok, model)
-    if ctx.rank == 0:       # what the report tells co-executed runs by (their spans hold the other strands' turns)
-        rows.append(row("microbatches", work.microbatches, "micro-batches"))
-        if isinstance(work, TrainWorkload):     # and the gradient sync's schedule, as its index in GRAD_SYNCS
-            rows.append(row("grad_sync_mode", GRAD_SYNCS.index(work.sync.mode), "index"))
     rec = Recorder(rank=ctx.rank, sync_collectives=cfg.task.sync_collectives,
                    marks=times_by_marks(system_config(cfg.system)))
     for sample in _iterations(ctx, cfg.task, rec):

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from ..columns import column, later
 from ..errors import ConfigError
 from ..synthetic import ROUTINGS
 from ..workloads import MAX_OVER_MEAN_CAP
@@ -130,9 +131,9 @@ class LayerInputs(TaskConf):
     tokens_per_rank: int = 512          # T
     routing: str = "uniform"            # router | uniform | zipf | imbalance | incast | trace
     zipf_s: float = 1.2                 # skew of routing=zipf
-    max_over_mean: float = 2.0          # routing=imbalance: dispatch received rows max / mean (contiguous)
-    incast_device: int = 0              # routing=incast: the device whose experts draw ...
-    incast_share: float = 0.5           # ... this share of every token's choices
+    max_over_mean: float = later(2.0)   # routing=imbalance: dispatch received rows max / mean (contiguous)
+    incast_device: int = later(0)       # routing=incast: the device whose experts draw ...
+    incast_share: float = later(0.5)    # ... this share of every token's choices
     trace: Optional[str] = None         # routing=trace: a routing.parquet, or a run folder holding one
 
     def check(self) -> None:
@@ -184,8 +185,8 @@ class Placed(TaskConf):
     placement artifact. Systems
     whose config says ``slot_placements`` run on slots (``naive``, ``occult``)."""
 
-    placement: str = "contiguous"
-    num_redundant: int = 0
+    placement: str = column("contiguous", absent="", later="contiguous")
+    num_redundant: int = later(0)
     affinity_weight: float = 0.25       # eplb_affinity: the co-activation bonus (occult.placement.affinity)
 
     def check(self) -> None:
@@ -265,7 +266,7 @@ class MicroBatched(Text, Exchanges):
     sequences cut into ``microbatches`` micro-batches that run as strands, one's collectives
     in flight while another computes (:mod:`occult.ep.strands`); 1: the batch at once."""
 
-    microbatches: int = 1
+    microbatches: int = column(1, later=1)
 
     def check(self) -> None:
         super().check()
@@ -332,7 +333,7 @@ class Migrated(TaskConf):
     block each sequence moves, once per step, to the rank that holds most of its (token,
     expert) pairs (predicted from the previous step's routing); its outputs return home."""
 
-    migration: bool = False
+    migration: bool = column(False, later=False)
 
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
@@ -401,7 +402,7 @@ class TrainTask(Timed, Gated, Placed, MicroBatched, Migrated):
 
     lr: float = 1e-3
     save_routing: bool = False
-    grad_sync: str = "end"
+    grad_sync: str = column("end", absent="", later="end")
 
     def check(self) -> None:
         super().check()
@@ -485,12 +486,12 @@ class PlacementStudyTask(Gated, HeldOut):
     corpus: str = "shakespeare"
     seq_len: int = 128
     tokens_per_rank: int = 1024
-    held_out_tokens: Optional[int] = None
+    held_out_tokens: Optional[int] = later(None)
     # the optimisers (occult.placement) run at every load cap (null: none; max / mean device
     # load on the profiling set), and swap_search's time limit per (layer, cap)
-    optimisers: List[str] = field(default_factory=lambda: ["contiguous", "random", "greedy", "swap_search"])
-    load_caps: List[Optional[float]] = field(default_factory=lambda: [None, 1.25, 1.15, 1.1])
-    swap_time_limit_s: float = 10.0
+    optimisers: List[str] = later(["contiguous", "random", "greedy", "swap_search"])
+    load_caps: List[Optional[float]] = later([None, 1.25, 1.15, 1.1])
+    swap_time_limit_s: float = later(10.0)
 
     entry: ClassVar[str] = "occult.tasks.placement_study.run_rank"
     prepare: ClassVar[str] = "occult.tasks.model.prepare"
@@ -531,7 +532,7 @@ class RoutedWorld(TaskConf):
     scaling; 0: ``tokens_per_rank`` on every rank)."""
 
     tokens_per_rank: int = 512          # T of every simulated rank
-    total_tokens: int = 0               # the world's tokens, T = total_tokens / P (0: tokens_per_rank)
+    total_tokens: int = later(0)        # the world's tokens, T = total_tokens / P (0: tokens_per_rank)
     routing: str = "router"             # router | trace | uniform | zipf
     zipf_s: float = 1.2                 # routing=zipf
     trace: Optional[str] = None         # routing=trace: a run folder holding routing.parquet
@@ -539,10 +540,10 @@ class RoutedWorld(TaskConf):
     corpus: str = "shakespeare"         # routing=router: the held-out text
     split: str = "validation"
     seq_len: int = 128
-    routers: Optional[str] = None       # routing=router: the conf/model whose routers route (a trained proxy
+    routers: Optional[str] = later(None)    # routing=router: the conf/model whose routers route (a trained proxy
                                         # of the model's E and K; null: the model's own)
-    sample_layers: int = 0              # MoE layers computed: 0 every one, n evenly spaced (1: the middle one)
-    synthetic_tokens: int = 0           # uniform | zipf: 0 every rank draws its own; N: N tokens per layer,
+    sample_layers: int = later(0)       # MoE layers computed: 0 every one, n evenly spaced (1: the middle one)
+    synthetic_tokens: int = later(0)    # uniform | zipf: 0 every rank draws its own; N: N tokens per layer,
                                         # the world's drawn from them (with replacement where it needs more)
 
     prepare: ClassVar[str] = "occult.tasks.simulate.prepare"

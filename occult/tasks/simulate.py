@@ -499,7 +499,7 @@ def _simulate(ctx, cfg_dict: dict) -> list:
     source = world_source(cfg)
     rows = []
     if source is not None:
-        rows += [row("source_tokens", source.tokens, "tokens"),
+        rows += [row("source_size", source.tokens, "tokens"),
                  row("resampled_tokens", float(source.resampled), "bool")]
     for layer in task_layers(cfg):
         T = t.total_tokens // c.world_size if t.total_tokens else t.tokens_per_rank

@@ -1,0 +1,133 @@
+"""Settings as columns (:mod:`occult.columns`): the schema fields declared as columns are columns
+of every row, the later keys resume hashes from are the fields' own declarations, and a table
+written at 57d74c1 (settings as metric rows) loads as today's and gives the same strategies
+tables (fixture: tests/fixtures/old_57d74c1, written by make_old_57d74c1.py)."""
+import dataclasses
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+from occult.columns import column, columns_of, later, later_keys_of
+from occult.config import CONF_DIR, later_keys, register, schemas, setting_columns
+from occult.records import COLUMNS, CONTEXT_COLUMNS, hashed_config, make_frame, row, without_later
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "old_57d74c1"
+
+# the keys added after results were first written, with the values their configs held, as
+# occult/records.py listed them at 57d74c1: a run hashed then keeps its hash (and resumes) only
+# while the fields declare exactly these
+LATER_AT_57D74C1 = {
+    "cluster.devices_per_node": 0, "cluster.single_rank_collectives": False,
+    "task.optimisers": ["contiguous", "random", "greedy", "swap_search"],
+    "task.load_caps": [None, 1.25, 1.15, 1.1], "task.swap_time_limit_s": 10.0,
+    "task.total_tokens": 0, "task.routers": None, "task.sample_layers": 0, "task.synthetic_tokens": 0,
+    "task.max_over_mean": 2.0, "task.incast_device": 0, "task.incast_share": 0.5,
+    "task.placement": "contiguous", "task.num_redundant": 0,
+    "task.microbatches": 1, "task.grad_sync": "end", "task.migration": False}
+# and those added since, each at the value that reproduces the runs written before it
+LATER_SINCE = {"task.held_out_tokens": None, "pretrain.eval_batches": None}
+
+
+def test_the_later_keys_are_the_fields_declarations_and_those_of_57d74c1():
+    assert later_keys() == {**LATER_AT_57D74C1, **LATER_SINCE}
+    declared = {}
+    for group, classes in schemas().items():
+        for cls in classes:
+            for f in dataclasses.fields(cls):
+                if "occult.later" in f.metadata:
+                    declared[f"{group}.{f.name}"] = f.metadata["occult.later"]
+    assert declared == later_keys()
+    # a config at a later key's value hashes as one without the key; another value is hashed
+    hashed = lambda task: without_later(hashed_config({"task": task}), later_keys())
+    assert hashed({"microbatches": 1, "iters": 3}) == {"task.iters": 3}
+    assert hashed({"microbatches": 2}) == {"task.microbatches": 2}
+
+
+def test_a_run_folder_written_at_57d74c1_resumes(tmp_path):
+    """A 57d74c1 run folder (the fixture's table and the config its mb2_overlap run stored)
+    holds the results of today's same command: the run is skipped, not refused."""
+    import shutil
+    from occult.runner import already_done, run_hashed_config
+    _old_table(tmp_path)
+    shutil.copy(FIXTURE / "run_config.json", tmp_path / "run_config.json")
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[
+            "model=olmoe_proxy", "model.init=random", "model.hidden_size=32", "model.expert_ffn_size=16",
+            "model.num_layers=2", "cluster=cpu4", "task=train", "system=naive", "task.warmup=0", "task.iters=2",
+            "task.batch_size=2", "task.seq_len=16", "task.parity_tokens=8", "experiment_name=fixture_57d74c1",
+            "task.microbatches=2", "task.grad_sync=overlap", "label=mb2_overlap"])
+    assert already_done(tmp_path, run_hashed_config(cfg))
+
+
+def test_a_setting_is_declared_once():
+    @dataclasses.dataclass
+    class A:
+        mode: str = column("fast", absent="", later="fast")
+        size: list = later([1, 2])
+
+    @dataclasses.dataclass
+    class B:
+        mode: str = column("slow", absent="none")
+
+    assert A().size == [1, 2] and A().size is not A().size
+    assert later_keys_of({"task": [A]}) == {"task.mode": "fast", "task.size": [1, 2]}
+    assert columns_of({"task": [A]}) == {"mode": ("task", "")}
+    with pytest.raises(ValueError, match="mode: declared with two group and absent values"):
+        columns_of({"task": [A, B]})
+
+
+def _context(*overrides):
+    from occult.runner import run_context
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return run_context(compose("config", overrides=list(overrides)), {}, "d")
+
+
+def test_every_setting_is_a_column_of_every_row():
+    assert set(setting_columns()) >= {"microbatches", "grad_sync", "dispatch_mode", "migration"}
+    train = _context("task=train", "model=olmoe_proxy", "system=occult", "task.microbatches=2",
+                     "task.grad_sync=overlap", "system.dispatch_mode=static")
+    layer = _context("task=layer", "system=megablocks")         # no micro-batches, no gradient sync, no static mode
+    bench = _context("task=bench")                               # no top-level system
+    pick = lambda ctx: {k: ctx[k] for k in ("microbatches", "grad_sync", "dispatch_mode", "migration", "placement")}
+    assert pick(train) == {"microbatches": 2, "grad_sync": "overlap", "dispatch_mode": "static", "migration": False,
+                           "placement": "contiguous"}
+    assert pick(layer) == {"microbatches": 1, "grad_sync": "", "dispatch_mode": "dynamic", "migration": False,
+                           "placement": "contiguous"}
+    assert (bench["dispatch_mode"], bench["placement"]) == ("dynamic", "")
+    df = make_frame([row("x", 1.0, "ms"), {**row("y", 2.0, "ms"), "dispatch_mode": "static"}], bench)
+    order = CONTEXT_COLUMNS + list(setting_columns()) + COLUMNS[len(CONTEXT_COLUMNS):]
+    assert list(df.columns) == order and list(df.dispatch_mode) == ["dynamic", "static"]
+    assert (df.microbatches == 1).all() and (df.grad_sync == "").all()
+
+
+def _old_table(tmp_path: Path) -> pd.DataFrame:
+    """The fixture's rows (written at 57d74c1) as the results table of a run folder."""
+    from analysis.load import load_runs
+    old = pd.read_csv(FIXTURE / "results.csv.gz", keep_default_na=False)
+    assert {"microbatches", "grad_sync", "dispatch_mode"}.isdisjoint(old.columns)
+    old.to_parquet(tmp_path / "results.parquet", index=False)
+    return load_runs(tmp_path)
+
+
+def test_a_table_written_at_57d74c1_reads_its_settings_as_columns(tmp_path):
+    df = _old_table(tmp_path)
+    assert not df.metric.isin(["microbatches", "grad_sync_mode"]).any()
+    runs = df.groupby("label")[["microbatches", "grad_sync", "dispatch_mode", "migration", "placement"]].first()
+    assert runs.loc[""].tolist() == [1, "end", "dynamic", False, "contiguous"]
+    assert runs.loc["mb2_overlap"].tolist() == [2, "overlap", "dynamic", False, "contiguous"]
+
+
+def test_a_table_written_at_57d74c1_gives_the_same_strategies_tables(tmp_path):
+    from analysis.figures.strategies import schedules, strategies_table
+    df = _old_table(tmp_path)
+    expected = pd.read_csv(FIXTURE / "strategies.csv").fillna({"label": ""})       # its other blanks: NaN
+    got = strategies_table(df).reset_index(drop=True)
+    pd.testing.assert_frame_equal(got[expected.columns], expected, check_dtype=False, rtol=1e-9)
+    [section] = schedules(df)
+    expected = pd.read_csv(FIXTURE / "schedules.csv", keep_default_na=False)
+    got = section.tables[0][1].reset_index(drop=True)
+    pd.testing.assert_frame_equal(got, expected, check_dtype=False, rtol=1e-9)
