@@ -47,7 +47,9 @@ def overview(df: pd.DataFrame, out: Path) -> Section:
         return Section("Runs", ["Only calibration runs."])
     table = with_ratios(run_table(runs)).sort_values(["task", "system", "cluster", "top_k"])
     table.to_csv(out / "summary.csv", index=False)
-    tables = [("summary", _filled(table[shown_columns(table, SHOWN)]))]
+    # run_dir rides along for the report to read each run's stored config (its task settings in
+    # which the rows differ, analysis.sections.readable), and is not printed
+    tables = [("summary", _filled(table[shown_columns(table, SHOWN) + [c for c in ["run_dir"] if c in table]]))]
     from .balance import phase_table
     phases = phase_table(runs)
     if not phases.empty:      # every timed phase's spread over ranks and its slowest rank

@@ -197,9 +197,11 @@ RANK_START_ENV = "OCCULT_RANK_START"
 RANK_PRELOAD = ["torch", "torch.distributed", "occult.dist", "occult.ep", "occult.parity", "occult.tasks.common",
                 "occult.models.runtime"]
 # and, for a launch of whole-model ranks, transformers' model code (about 3 s of CPU a rank
-# otherwise, every rank of every run): only the first launch of a process starts the server,
+# otherwise, every rank of every run) and the modules every family's model file imports
+# (0.08 s a rank): only the first launch of a process starts the server,
 # so a process that launches a layer task first forks its later whole-model ranks without it
-WHOLE_MODEL_PRELOAD = ["transformers.modeling_utils"]
+WHOLE_MODEL_PRELOAD = ["transformers.modeling_utils", "transformers.generation.utils", "transformers.masking_utils",
+                       "transformers.modeling_layers"]
 
 
 def _rank_processes(host_memory_cache: bool, preload: Sequence[str] = ()):

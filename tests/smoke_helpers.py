@@ -60,6 +60,7 @@ SHRINK = (
     ("task.held_out_tokens", 64),
     ("pretrain.steps", 2),
     ("pretrain.batch_size", 2),
+    ("pretrain.seq_len", 16),
     ("pretrain.eval_batches", 1),
 )
 

@@ -1,6 +1,7 @@
 """Offline corpora, splits, tokenizers, token caches and LM batches (occult.data)."""
 import hashlib
 import math
+import os
 import subprocess
 import sys
 
@@ -26,21 +27,29 @@ def bpe_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", CORPORA)
-def test_corpus_is_nonempty_and_deterministic(name):
+def test_corpus_is_nonempty_and_deterministic(name, tmp_path, monkeypatch):
+    """The same text from the package files (an empty cache folder: shakespeare cleans its
+    plays afresh) and from the cleaned documents that left in the cache."""
     text = load_corpus(name)
     assert len(text) > 500_000
-    corpora._documents.cache_clear()                    # rebuild from the package files
-    assert load_corpus(name) == text
+    monkeypatch.setenv("OCCULT_CACHE", str(tmp_path))
+    for _ in range(2):
+        corpora._documents.cache_clear()                # rebuild from the package files, then the cache
+        assert load_corpus(name) == text
+    corpora._documents.cache_clear()
+    assert [p.name.split("-")[0] for p in tmp_path.glob("corpora/*.json")] == (["shakespeare"] if name == "shakespeare"
+                                                                                else [])
 
 
-def test_corpora_identical_in_a_fresh_process():
+def test_corpora_identical_in_a_fresh_process(tmp_path):
     """Nothing in the text depends on what this process happened to import before."""
     code = ("import hashlib, importlib.util, sys; "     # corpora.py alone: no torch import
             "spec = importlib.util.spec_from_file_location('corpora', sys.argv[1]); "
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
             "print(*(hashlib.sha256(m.load_corpus(n).encode()).hexdigest() for n in m.CORPORA))")
+    env = {**os.environ, "OCCULT_CACHE": str(tmp_path)}          # an empty cache: the text cleaned afresh
     out = subprocess.run([sys.executable, "-c", code, corpora.__file__],
-                         capture_output=True, text=True, check=True).stdout.split()
+                         capture_output=True, text=True, check=True, env=env).stdout.split()
     assert out == [hashlib.sha256(load_corpus(name).encode()).hexdigest() for name in CORPORA]
 
 

@@ -445,6 +445,39 @@ def test_a_missing_proxy_is_announced_before_it_is_pre_trained(tmp_path, monkeyp
     assert again.setup_done == () and len(said) == 1
 
 
+def test_a_proxy_pre_trained_by_another_process_is_waited_for_not_trained_twice(tmp_path, monkeypatch):
+    """Two runs that need the same missing proxy at once (two sweeps, the smoke run's two
+    workers): the second waits on the first's lock file and reads its checkpoint; without
+    the lock both would write the same ``.partial`` folder and the second rename fail."""
+    from occult.tasks import pretrain
+
+    cache = tmp_path / "proxies"
+    monkeypatch.setattr(pretrain, "proxy_dir", lambda cfg: cache / f"{cfg.model.name}-0123456789")
+    started, release, trained = threading.Event(), threading.Event(), []
+
+    def slow_pretrain(cfg, out, progress=True):
+        trained.append(out)
+        started.set()
+        assert release.wait(30)
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(pretrain, "pretrain", slow_pretrain)
+    cfg = _cfg("task=prefill", "model=olmoe_proxy")
+    got = []
+    first = threading.Thread(target=lambda: got.append(pretrain.ensure_trained(cfg, progress=False)))
+    first.start()
+    assert started.wait(30)
+    second = threading.Thread(target=lambda: got.append(pretrain.ensure_trained(cfg, progress=False)))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and len(got) == 0            # waiting on the lock, not training
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert got == [cache / "olmoe_proxy-0123456789"] * 2 and len(trained) == 1
+
+
 def test_the_time_left_leaves_out_points_that_ran_one_off_set_up(monkeypatch, caplog):
     """The first point of `make run` pre-trains a proxy (minutes, once); the estimate
     after it must not count that as every point's cost."""

