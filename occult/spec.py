@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
-# The field types are named, not imported (occult.schemas, occult.tasks.schema,
-# occult.ep.system): the spec is a plain frozen record, imported by the runner and the tasks.
+from .schemas import ClusterConf, ModelConf, PretrainConf
+
+if TYPE_CHECKING:           # typing only: a spec needs no task or system code to exist
+    from .ep.system import SystemConfig
+    from .tasks.schema import TaskConf
 
 
 @dataclass(frozen=True)
