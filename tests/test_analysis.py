@@ -490,6 +490,7 @@ def test_fig7_pruning_figure_from_finetune_runs(tmp_path):
                                  "score_1_no_finetune"]        # the reading order, whatever the folders' order
     assert table.loc["similarity_2", "pydoc_loss"] == pytest.approx(5.905)
     assert table.loc["score_1", "ct_all"] == pytest.approx(1.0)
+    assert table.budget.fillna(-1).tolist() == [-1, -1, 1, 2, 1, 2, 1]      # the budget column; Occult has none
 
 
 def test_group_limit_table_puts_each_arm_before_and_after_fine_tuning_on_one_row(tmp_path):
