@@ -216,7 +216,7 @@ def ranked(df: pd.DataFrame, req: Request) -> pd.DataFrame:
         peak = got.groupby(["layer", "rank"]).value.sum().max() if not got.empty else 0.0
         p = points.loc[run_id]
         a2a, experts = float(tot.loc[run_id].a2a_ms_per_layer), float(tot.loc[run_id].experts_ms_per_layer)
-        rows.append({"strategy": strategy_of(run.system.iloc[0], run.system_options.iloc[0]),
+        rows.append({"strategy": strategy_of(run.system.iloc[0], run.dedup.iloc[0]),
                      "moe_layer_ms": a2a + experts, "a2a_ms": a2a, "experts_ms": experts,
                      "intra_MB_per_rank": p.intra_MB_per_rank, "inter_MB_per_rank": p.inter_MB_per_rank,
                      "messages_per_rank": p.messages_per_rank, "ct_all": p.ct_all,

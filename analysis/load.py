@@ -21,8 +21,9 @@ from occult.records import LATER_COLUMNS, RESULTS_FILE
 OLD_GRAD_SYNCS = ("end", "overlap", "lina")
 SETTING_ROWS = {"microbatches": ("microbatches", int),
                 "grad_sync": ("grad_sync_mode", lambda index: OLD_GRAD_SYNCS[int(index)])}
-# settings those tables held in the system_options JSON (a system without the option: absent)
-SETTING_OPTIONS = ("dispatch_mode",)
+# settings tables written before they were columns held in the system_options JSON (which holds
+# every option of the run's system; a system without the option: absent)
+SETTING_OPTIONS = ("a2a_ffn_overlap_degree", "budget", "dedup", "dispatch_mode", "topk_group")
 
 
 def find_results(paths: Union[str, Path, Iterable]) -> list[Path]:

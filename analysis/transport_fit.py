@@ -69,7 +69,7 @@ def simulated_runs(df: pd.DataFrame) -> dict:
     out = {}
     for _, run in sim.groupby("run_id", sort=False):
         f = run.iloc[0]
-        options = {**json.loads(f.system_options or "{}"), "dispatch_mode": f.dispatch_mode}     # the column
+        options = {"dispatch_mode": f.dispatch_mode, **({"dedup": f.dedup} if f.dedup else {})}     # the columns
         out[run_key(f.system, options, f.world_size, f.devices_per_node, f.tokens_per_rank, f.num_experts,
                     f.top_k, f.hidden_size)] = run
     return out

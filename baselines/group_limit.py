@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from occult.columns import column
 from occult.pruning import GroupLimit
 from occult.pruning.transforms import WEIGHT_RULES, min_budget
 
@@ -39,8 +40,8 @@ class GroupLimitDispatcher(WrappedDispatcher):
     @dataclass
     class Config(WrappedDispatcher.Config):
         # M, the devices a token may use; null (or the world size): no limit, the router's
-        # own routing (exact: the lossless option)
-        topk_group: Optional[int] = 2
+        # own routing (exact: the lossless option); a column of every row (-1: no such field)
+        topk_group: Optional[int] = column(2, absent=-1)
         # gate weights of what it chose: renormalize (to the original sum) | own | replaced
         weight_rule: str = "renormalize"
 

@@ -56,6 +56,7 @@ from typing import Optional
 
 import torch
 
+from occult.columns import column
 from occult.ep import Exchange, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
 from occult.ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
 from occult.ep.plan import forwarded, metadata_sends, returned, sends
@@ -169,7 +170,7 @@ class HierarchicalDispatcher(SplitDispatcher):
 
     @dataclass
     class Config(SystemConfig):
-        dedup: str = "device"    # none | node | device
+        dedup: str = column("device", absent="")    # none | node | device; a column of every row
 
         def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
             super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)

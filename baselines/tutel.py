@@ -74,6 +74,7 @@ from types import SimpleNamespace
 
 import torch
 
+from occult.columns import column
 from occult.ep import SplitDispatcher
 from occult.ep.measure import barrier
 from occult.ep.observe import CallTrace, log_observed, observed_start, probe
@@ -217,8 +218,8 @@ class TutelDispatcher(SplitDispatcher):
         # capacity_factor as the harness's twin (the same capacity and drop rule, tested
         # against it). Tutel's a2a_ffn_overlap_degree: C is rounded up to a multiple of it;
         # Tutel pipelines (chunks the exchange) only on CUDA, which this adapter refuses for
-        # degrees above 1
-        a2a_ffn_overlap_degree: int = 1
+        # degrees above 1. A column of every row (-1: no such field)
+        a2a_ffn_overlap_degree: int = column(1, absent=-1)
 
         def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
             super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)

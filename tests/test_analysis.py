@@ -123,12 +123,16 @@ ABSENT_SETTINGS = {name: absent for name, (_, absent) in setting_columns().items
 
 
 def _context(system, model, task, P, E, K, D, F, routing="uniform", T=64, options=None):
+    """A run's context; the system's ``options`` that are settings are its columns too, as
+    the runner writes them (:func:`occult.runner.run_settings`)."""
+    options = options or {}
     return {"run_id": f"t/{system}/{model}/{task}/{P}/{K}/{routing}", "experiment": "synthetic", "label": "",
-            "system": system, "impl": "harness", "system_options": json.dumps(options or {}, sort_keys=True),
+            "system": system, "impl": "harness", "system_options": json.dumps(options, sort_keys=True),
             "model": model, "init": "random", "task": task, "cluster": f"cpu{P}",
             "world_size": P, "num_experts": E, "top_k": K, "hidden_size": D, "expert_ffn_size": F,
             "tokens_per_rank": T, "routing": routing, "batch_size": 2, "seq_len": 32, "seed": 0,
-            "config_hash": f"{system}{P}{K}{routing}", **ABSENT_SETTINGS}
+            "config_hash": f"{system}{P}{K}{routing}", **ABSENT_SETTINGS,
+            **{k: v for k, v in options.items() if k in ABSENT_SETTINGS}}
 
 
 def _comm_rows(P, rows_per_peer, D, layers=(0,), directions=("forward", "backward")):
@@ -455,8 +459,8 @@ def test_every_experiments_sweeper_instantiates_and_refers_to_its_points():
 
 def finetune_run(run_dir: Path, label: str, system: str, budget, steps: int, pydoc_loss: float, ct: float,
                  budget_key: str = "budget"):
-    """A task=finetune run folder as run.py writes it (the budget in system_options, the arm
-    in ``label``, as experiment=fig7_pruning names every point)."""
+    """A task=finetune run folder as run.py writes it (the budget in system_options and its
+    column, the arm in ``label``, as experiment=fig7_pruning names every point)."""
     rows = [row("train_loss", 6.0, "nats/token", sample=s) for s in range(steps)]
     for corpus, loss in (("pydoc", pydoc_loss), ("shakespeare", 5.0)):
         rows += [row("eval_loss", loss, "nats/token", phase=corpus),
@@ -486,6 +490,7 @@ def test_fig7_pruning_figure_from_finetune_runs(tmp_path):
                                  "score_1_no_finetune"]        # the reading order, whatever the folders' order
     assert table.loc["similarity_2", "pydoc_loss"] == pytest.approx(5.905)
     assert table.loc["score_1", "ct_all"] == pytest.approx(1.0)
+    assert table.budget.fillna(-1).tolist() == [-1, -1, 1, 2, 1, 2, 1]      # the budget column; Occult has none
 
 
 def test_group_limit_table_puts_each_arm_before_and_after_fine_tuning_on_one_row(tmp_path):
@@ -699,7 +704,7 @@ def test_tutel_overlap_table_reads_degrees_padding_and_ratios(tmp_path):
     def tutel_run(degree, padding, a2a_ms):
         df = layer_run("tutel", 4, 8, 3.6, a2a_ms, 20)
         options = json.dumps({"a2a_ffn_overlap_degree": degree, "capacity_factor": 0.0}, sort_keys=True)
-        df = df.assign(system_options=options, impl="library", run_id=f"t/tutel/{degree}")
+        df = df.assign(system_options=options, a2a_ffn_overlap_degree=degree, impl="library", run_id=f"t/tutel/{degree}")
         context = {k: df[k].iloc[0] for k in _context("tutel", "layer_small", "layer", 4, 16, 8, 32, 16)}
         pad = make_frame([row("padding_rows", padding, "rows", layer=0, rank=r) for r in range(4)], context)
         return pd.concat([df, pad], ignore_index=True)

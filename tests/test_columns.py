@@ -86,8 +86,12 @@ def _context(*overrides):
         return run_context(build_spec(compose("config", overrides=list(overrides)), ".", "d"))
 
 
+# the settings of systems the figures read (fig7_pruning, tutel_overlap, scale_study / advise)
+SYSTEM_SETTINGS = ("budget", "topk_group", "a2a_ffn_overlap_degree", "dedup")
+
+
 def test_every_setting_is_a_column_of_every_row():
-    assert set(setting_columns()) >= {"microbatches", "grad_sync", "dispatch_mode", "migration"}
+    assert set(setting_columns()) >= {"microbatches", "grad_sync", "dispatch_mode", "migration", *SYSTEM_SETTINGS}
     train = _context("task=train", "model=olmoe_proxy", "system=occult", "task.microbatches=2",
                      "task.grad_sync=overlap", "system.dispatch_mode=static")
     layer = _context("task=layer", "system=megablocks")         # no micro-batches, no gradient sync, no static mode
@@ -102,6 +106,31 @@ def test_every_setting_is_a_column_of_every_row():
     order = CONTEXT_COLUMNS + list(setting_columns()) + COLUMNS[len(CONTEXT_COLUMNS):]
     assert list(df.columns) == order and list(df.dispatch_mode) == ["dynamic", "static"]
     assert (df.microbatches == 1).all() and (df.grad_sync == "").all()
+    # each system writes its own field, every other system the field's absent value
+    systems = {"occult_prune_score": ("system.budget=1", {"budget": 1}),
+               "group_limit": ("system.topk_group=null", {"topk_group": None}),
+               "tutel": ("system.a2a_ffn_overlap_degree=2", {"a2a_ffn_overlap_degree": 2}),
+               "hierarchical": ("system.dedup=node", {"dedup": "node"})}
+    absent = {name: setting_columns()[name][1] for name in SYSTEM_SETTINGS}
+    assert absent == {"budget": -1, "topk_group": -1, "a2a_ffn_overlap_degree": -1, "dedup": ""}
+    for system, (override, own) in systems.items():
+        ctx = _context("task=layer", "cluster=cpu4", f"system={system}", override)
+        assert {k: ctx[k] for k in SYSTEM_SETTINGS} == {**absent, **own}, system
+    assert {k: layer[k] for k in SYSTEM_SETTINGS} == {k: bench[k] for k in SYSTEM_SETTINGS} == absent
+
+
+def test_a_table_written_before_a_system_setting_was_a_column_reads_it_from_system_options(tmp_path):
+    from analysis.load import load_runs
+    from occult.records import write_results
+    for system, override in (("hierarchical", "system.dedup=node"), ("group_limit", "system.topk_group=null"),
+                             ("tutel", "system.a2a_ffn_overlap_degree=2")):
+        new = make_frame([row("x", 1.0, "ms")], _context("task=layer", "cluster=cpu4", f"system={system}", override))
+        write_results(new.drop(columns=list(SYSTEM_SETTINGS)), tmp_path / "old" / system)
+        write_results(new, tmp_path / "new" / system)
+    old, new = (load_runs(tmp_path / d).drop(columns="run_dir") for d in ("old", "new"))
+    pd.testing.assert_frame_equal(old[list(new.columns)], new)
+    assert new.set_index("system").loc[["hierarchical", "group_limit", "tutel"], list(SYSTEM_SETTINGS)].values.tolist() \
+        == [[-1, -1, -1, "node"], [-1, None, -1, ""], [-1, -1, 2, ""]]
 
 
 def _old_table(tmp_path: Path) -> pd.DataFrame:

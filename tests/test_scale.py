@@ -17,7 +17,7 @@ def _frame(rows: pd.DataFrame, **context) -> pd.DataFrame:
             "top_k": 8, "hidden_size": 256, "expert_ffn_size": 128, "tokens_per_rank": 32, "dtype": "float32",
             "task": "simulate", "system": "x", "label": "", "clock": "simulated", "system_options": "{}",
             "routing": "uniform", "experiment": "t", "impl": "harness", "cluster": "c", "init": "random",
-            "batch_size": -1, "seq_len": -1, "seed": 0, "config_hash": "h", "placement": "", "migration": False, "trace_sha256": "",
+            "batch_size": -1, "seq_len": -1, "seed": 0, "config_hash": "h", "placement": "", "migration": False, "dedup": "", "trace_sha256": "",
             **context}
     return rows.assign(**base)
 
@@ -51,6 +51,16 @@ def test_per_rank_totals_price_as_the_peer_pairs_do_and_count_the_messages():
         assert len(sent) == msgs.value.sum() > 0, system
         cross = sent[sent.src_rank // 8 != sent.dst_rank // 8]
         assert len(cross) == totals[totals.metric == "inter_node_messages"].value.sum(), system
+
+
+def test_a_point_is_named_by_its_system_and_hierarchical_by_its_dedup_column():
+    """The scale study's (and the advisor's) strategy names read the ``dedup`` column, not the
+    ``system_options`` JSON (a setting is a column, occult/columns.py)."""
+    from analysis.figures.scale_study import point_table
+    args = ("cluster.world_size=4", "cluster.devices_per_node=2", "task.tokens_per_rank=8", "task.backward=false")
+    for system, dedup, strategy in (("hierarchical", "node", "hierarchical_node"), ("naive", "", "naive")):
+        rows = simulated_rows(*args, f"system={system}", *([f"system.dedup={dedup}"] if dedup else []))
+        assert point_table(_frame(rows, system=system, dedup=dedup)).strategy.tolist() == [strategy]
 
 
 def test_totals_are_not_resized_to_another_width():

@@ -12,7 +12,6 @@ analysis.figures.fig7_pruning <sweep folders>`` rebuilds them) and draws the fig
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -20,15 +19,20 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
+from occult.config import setting_columns
+
 from ..plots import save, style, system_order
 from ..sections import Section
 
 def _budget(run: pd.DataFrame) -> Optional[int]:
-    """The run's cap on devices per token, from its ``system_options`` column: pruning's
-    ``budget`` or the group limit's ``topk_group`` (None without one)."""
-    options = json.loads(run.system_options.iloc[0] or "{}")
-    budget = options.get("budget", options.get("topk_group"))
-    return None if budget is None else int(budget)
+    """The run's cap on devices per token, from its setting columns: pruning's ``budget`` or
+    the group limit's ``topk_group`` (None without one: a system without the field writes
+    its ``absent`` value, the group limit's ``topk_group: null`` no limit)."""
+    for name in ("budget", "topk_group"):
+        value = run[name].iloc[0]
+        if not pd.isna(value) and value != setting_columns()[name][1]:
+            return int(value)
+    return None
 
 
 def accuracy_table(sweep_dirs) -> pd.DataFrame:

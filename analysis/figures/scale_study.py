@@ -22,7 +22,6 @@ Points are named by ``strategy``: the system, hierarchical with its dedup
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -39,11 +38,9 @@ WORKLOADS = {"decode": "decode, 128 tokens per rank (weak)", "prefill": "prefill
 DEFAULT_PROFILES = ("sim_h100_nodes", "sim_h200_nodes")
 
 
-def strategy_of(system: str, options_json: str) -> str:
-    """A point's strategy name: the system, hierarchical with its dedup."""
-    if system == "hierarchical":
-        return f"hierarchical_{json.loads(options_json or '{}').get('dedup', 'device')}"
-    return system
+def strategy_of(system: str, dedup: str) -> str:
+    """A point's strategy name: the system, hierarchical with its ``dedup`` (the column)."""
+    return f"hierarchical_{dedup}" if system == "hierarchical" else system
 
 
 def _per_rank(run: pd.DataFrame, metric: str, phases=None) -> pd.Series:
@@ -77,7 +74,7 @@ def point_row(run: pd.DataFrame) -> dict:
     layers = sorted(int(x) for x in run[run.metric == "ct_all"].layer.unique())
     world_tokens = run[(run.metric == "tokens") & (run["rank"] == -1)].value.mean()
     resampled = run[run.metric == "resampled_tokens"].value
-    return {"model": first.model, "workload": first.label, "strategy": strategy_of(first.system, first.system_options),
+    return {"model": first.model, "workload": first.label, "strategy": strategy_of(first.system, first.dedup),
             "system": first.system, "world_size": int(first.world_size), "tokens_per_rank": int(first.tokens_per_rank),
             "world_tokens": int(world_tokens) if np.isfinite(world_tokens) else -1,
             "intra_MB_per_rank": intra.mean() / 1e6, "inter_MB_per_rank": inter.mean() / 1e6,

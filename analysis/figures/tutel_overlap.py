@@ -6,12 +6,13 @@ at a prefill-like and a decode-like token count. :func:`tutel_overlap` writes
 ``tutel_overlap.csv`` / ``.md``: per run its degree, the padding rows Tutel sent (summed
 over ranks), remote MB in the forward dispatch, the all-to-all and layer times (slowest
 rank, median over samples) and their ratios to naive EP and to degree 1 at the same shape.
+The degree is the run's ``a2a_ffn_overlap_degree`` column (a setting, :mod:`occult.columns`).
 """
 from __future__ import annotations
 
-import json
-
 import pandas as pd
+
+from occult.config import setting_columns
 
 from ..sections import Section, write_table
 from ..summary import run_table, with_ratios
@@ -26,8 +27,8 @@ def overlap_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per layer run (naive and Tutel at each degree), with the ratios above."""
     runs = df[df.task == "layer"]
     table = with_ratios(run_table(runs))
-    options = runs.groupby("run_id").system_options.first().map(json.loads)
-    table["degree"] = table.run_id.map(options.map(lambda o: o.get("a2a_ffn_overlap_degree")))
+    degree = runs.groupby("run_id").a2a_ffn_overlap_degree.first()     # the column; naive's: absent
+    table["degree"] = table.run_id.map(degree.where(degree != setting_columns()["a2a_ffn_overlap_degree"][1]))
     padding = runs[runs.metric == "padding_rows"].groupby("run_id").value.sum()
     table["padding_rows"] = table.run_id.map(padding)
     tutel = table[table.system == "tutel"]

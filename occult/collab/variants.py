@@ -37,6 +37,7 @@ from typing import ClassVar, Optional
 import numpy as np
 import torch
 
+from ..columns import column
 from ..placement.files import PlacementFileConfig, file_key
 from ..pruning import ScorePruning, SimilarityPruning, check_budget, expert_similarity
 from .dispatcher import OccultDispatcher, OccultOptions
@@ -123,7 +124,8 @@ class _PruningDispatcher(OccultDispatcher):
 
     @dataclass
     class Config(PlacementFileConfig, OccultOptions):
-        budget: int = 2              # N_d', devices per token (the paper tries 1, 2, 4)
+        # N_d', devices per token (the paper tries 1, 2, 4); a column of every row (-1: no such field)
+        budget: int = column(2, absent=-1)
         weight_rule: str = "own"     # gate weight of a substitute: own | replaced | renormalize (open)
         # false: no pruning (the routing unchanged; Occult with this config's placement, kernels
         # and payload): the identity the parity suite and every run's gate check it with
