@@ -98,20 +98,23 @@ def readable(table: pd.DataFrame) -> pd.DataFrame:
     (:func:`analysis.summary.options_that_differ`), preceded by the task settings in which the
     rows differ and no column shows (:func:`analysis.summary.settings_that_differ`: rows that
     would else read alike, e.g. before and after fine-tuning); the column is gone when they
-    differ in none; and ``run_dir`` (a folder path) left out where ``run_id`` names each run or the
-    table is one of runs (it has their options)."""
+    differ in none; and ``run_dir`` (a folder path: provenance, kept in the CSV) left out."""
     from .summary import options_that_differ, settings_that_differ
 
-    runs = "system_options" in table
-    if runs:
-        options = options_that_differ(table.system_options, table.system if "system" in table else None)
-        settings = settings_that_differ(table)
-        options = pd.Series([", ".join(p for p in parts if p) for parts in zip(settings, options)], index=table.index)
+    settings = settings_that_differ(table)          # "" everywhere without run_dir
+    if "system_options" in table:
         at = table.columns.get_loc("system_options")
+        options = options_that_differ(table.system_options, table.system if "system" in table else None,
+                                      columns=set(table.columns))
         table = table.drop(columns=["system_options"])
-        if (options != "").any():
-            table.insert(at, "options", options)
-    if "run_dir" in table and ("run_id" in table or runs):
+    else:                                           # one config per system: the settings go last
+        at = table.columns.get_loc("run_dir") if "run_dir" in table else len(table.columns)
+        options = pd.Series("", index=table.index)
+    options = pd.Series([", ".join(p for p in parts if p) for parts in zip(settings, options)], index=table.index)
+    if (options != "").any():
+        table = table.copy()
+        table.insert(at, "options", options)
+    if "run_dir" in table:
         table = table.drop(columns=["run_dir"])
     return table
 

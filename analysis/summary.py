@@ -27,38 +27,52 @@ SYSTEM_KEYS = ["system", "impl"]
 RUN_DESCRIPTION = ["label", "system_options", "clock", "run_dir"]
 
 
-def options_that_differ(options: pd.Series, by: pd.Series | None = None) -> pd.Series:
+def options_that_differ(options: pd.Series, by: pd.Series | None = None, columns=()) -> pd.Series:
     """Per row of a table, its ``system_options`` (JSON) reduced to the options in which the
     table's rows differ, as ``key=value, ...`` ("" for a row with none of them): what tells its
     rows apart, where the full JSON repeats every default of every system. ``by`` (e.g. the
     ``system`` column): compare only rows of the same value (one system's options against its
-    own other configs, not against another system's)."""
+    own other configs, not against another system's); ``columns``: options the table shows as
+    columns of their own (left out)."""
     parsed = pd.Series([json.loads(o) if isinstance(o, str) and o else {} for o in options], index=options.index)
     groups = [parsed] if by is None else [parsed[by == v] for v in pd.unique(by)]
     out = pd.Series("", index=options.index, dtype=object)
     for group in groups:
         keys = sorted({k for d in group for k in d})
-        differ = [k for k in keys if len({json.dumps(d.get(k), sort_keys=True) for d in group}) > 1]
+        differ = [k for k in keys if k not in columns and len({json.dumps(d.get(k), sort_keys=True) for d in group}) > 1]
         for i, d in group.items():
             out[i] = ", ".join(f"{k}={json.dumps(d[k]) if not isinstance(d[k], str) else d[k]}"
                                for k in differ if k in d)
     return out
 
 
-def settings_that_differ(table: pd.DataFrame, prefix: str = "task.") -> pd.Series:
-    """Per row, the ``prefix`` keys of its run's stored config (``run_config.json`` in its
-    ``run_dir``) in which the table's rows differ and that no column of the table shows, as
-    ``key=value, ...`` (e.g. ``task.steps=0`` against ``task.steps=100``): "" for a row whose
-    folder holds no stored config."""
+# a task's keys that name it rather than set it (the ``task`` column shows which task ran)
+NOT_TASK_SETTINGS = ("task.name", "task.schema")
+
+
+def settings_that_differ(table: pd.DataFrame) -> pd.Series:
+    """Per row, the ``task.*`` keys of its run's stored config (``run_config.json`` in its
+    ``run_dir``) in which the rows of the same task differ and that no column of the table
+    shows, as ``key=value, ...`` (e.g. ``task.steps=0`` against ``task.steps=100``); a key
+    only some rows of a task have is not compared (another schema's field), and "" for a row
+    whose folder holds no stored config."""
     from occult.records import flatten, read_run_config
 
+    out = pd.Series("", index=table.index, dtype=object)
     if "run_dir" not in table:
-        return pd.Series("", index=table.index, dtype=object)
+        return out
     stored = {d: (read_run_config(d) or {}).get("config", {}) for d in pd.unique(table.run_dir.dropna())}
-    configs = [flatten(stored.get(d, {})) for d in table.run_dir]
-    keys = sorted({k for c in configs for k in c if k.startswith(prefix) and k[len(prefix):] not in table})
-    differ = [k for k in keys if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in configs}) > 1]
-    return pd.Series([", ".join(f"{k}={c[k]}" for k in differ if k in c) for c in configs], index=table.index)
+    configs = pd.Series([flatten(stored.get(d, {})) for d in table.run_dir], index=table.index)
+    tasks = table.task if "task" in table else pd.Series("", index=table.index)
+    for task in pd.unique(tasks):
+        group = configs[tasks == task]
+        shared = set.intersection(*(set(c) for c in group))
+        keys = sorted(k for k in shared if k.startswith("task.") and k not in NOT_TASK_SETTINGS
+                      and k[len("task."):] not in table)
+        differ = [k for k in keys if len({json.dumps(c[k], sort_keys=True, default=str) for c in group}) > 1]
+        for i, c in group.items():
+            out[i] = ", ".join(f"{k}={c[k]}" for k in differ)
+    return out
 
 
 def slowest_rank_ms(df: pd.DataFrame, metric: str, phase: str, direction: str) -> pd.Series:

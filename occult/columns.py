@@ -103,4 +103,7 @@ def setting_values(configs: dict, columns: dict) -> dict:
     group the run lacks, e.g. a task that runs no system), ``columns`` the columns
     (:func:`columns_of`); each column of those groups holds the config's value, or its
     ``absent`` value where the config has no such field."""
-    return {name: _value(configs[group], name, absent) for name, (group, absent) in columns.items() if group in configs}
+    lacking = sorted({group for group, _ in columns.values()} - set(configs))
+    if lacking:
+        raise ValueError(f"setting_values: columns declared in the groups {lacking}, which the run's configs lack")
+    return {name: _value(configs[group], name, absent) for name, (group, absent) in columns.items()}

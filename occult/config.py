@@ -156,19 +156,28 @@ def schemas(conf_dirs: Sequence[Path] = ()) -> dict:
             **{group: list(dict.fromkeys(c for c in classes if c is not None)) for group, classes in found.items()}}
 
 
-@cache
 def later_keys() -> dict:
     """``{"<group>.<field>": value}``: the keys added after results were first written, each
     with the value configs held before it (the fields' declarations, :mod:`occult.columns`,
-    over :func:`schemas`): a config at that value hashes as one without the key."""
-    return later_keys_of(schemas())
+    over :func:`schemas` of the registered folders): a config at that value hashes as one
+    without the key."""
+    return _later_keys(tuple(_REGISTERED_DIRS))
+
+
+def setting_columns() -> dict:
+    """``{column: (group, absent value)}``: the schema fields declared as columns of every
+    results row (:mod:`occult.columns`, over :func:`schemas` of the registered folders)."""
+    return _setting_columns(tuple(_REGISTERED_DIRS))
 
 
 @cache
-def setting_columns() -> dict:
-    """``{column: (group, absent value)}``: the schema fields declared as columns of every
-    results row (:mod:`occult.columns`, over :func:`schemas`)."""
-    return columns_of(schemas())
+def _later_keys(conf_dirs: tuple) -> dict:
+    return later_keys_of(schemas(conf_dirs))
+
+
+@cache
+def _setting_columns(conf_dirs: tuple) -> dict:
+    return columns_of(schemas(conf_dirs))
 
 
 # the config folders the last register() added to conf/ (a user's, on hydra.searchpath)

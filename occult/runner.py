@@ -85,7 +85,8 @@ def run_context(spec: RunSpec) -> dict:
 def run_settings(spec: RunSpec) -> dict:
     """The run's settings columns (:func:`occult.columns.setting_values`) from its typed task and
     system (a task that runs no top-level system: its system columns' ``absent`` values)."""
-    return setting_values({"task": spec.task, "system": spec.system}, setting_columns())
+    return setting_values({"task": spec.task, "system": spec.system, "model": spec.model, "cluster": spec.cluster,
+                           "pretrain": spec.pretrain}, setting_columns())
 
 
 def run_trace_sha256(t) -> str:
@@ -172,6 +173,9 @@ def run(cfg: DictConfig, out_dir, overrides: tuple = ()) -> Path | None:
     log.info("running %s model=%s task=%s on %d rank(s)%s", _systems_of(spec), spec.model.name, task.name,
              c.world_size, " (simulated in one process)" if task.one_process else "")
     t0 = time.perf_counter()
+    # the rows name the system as composed: a prepare may point the ranks' copy at a file it
+    # made in the run folder (a profiled similarity file), which is not an option the user set
+    composed_system = spec.system
     if task.prepare:         # e.g. pre-training a missing proxy: once, on rank 0
         spec = import_object(task.prepare)(spec) if leader else None
         if world is not None:
@@ -190,7 +194,7 @@ def run(cfg: DictConfig, out_dir, overrides: tuple = ()) -> Path | None:
     rows = [r for rank_rows in per_rank for r in rank_rows]
     # the point's wall time here, start-up and any pre-training of a missing proxy included
     rows.append(row("run_wall_time", time.perf_counter() - t0, "s"))
-    df = make_frame(rows, run_context(spec))
+    df = make_frame(rows, run_context(spec.replace(system=composed_system)))
     write_run_config(out_dir, hashed)
     path = write_results(df, out_dir)
     (out_dir / ERROR_FILE).unlink(missing_ok=True)

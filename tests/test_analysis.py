@@ -926,6 +926,21 @@ def test_a_summary_tells_apart_rows_that_differ_in_a_task_setting_or_in_one_syst
     one("n1", "naive", {"payload": "none"}, 100)
     one("o1", "occult", {"budget": 1, "payload": "none"}, 100)
     one("o2", "occult", {"budget": 2, "payload": "none"}, 100)
-    shown = readable(run_table(load_runs([tmp_path])).sort_values("run_id")).set_index("run_id").options
+    table = run_table(load_runs([tmp_path])).sort_values("run_id")
+    shown = readable(table).set_index("run_id").options
     assert shown.to_dict() == {"x/n0": "task.steps=0", "x/n1": "task.steps=100",
                                "x/o1": "task.steps=100, budget=1", "x/o2": "task.steps=100, budget=2"}
+    # a run of another task: its own fields are not compared with the finetune runs' (nor name / schema)
+    context = {c: 0 for c in CONTEXT_COLUMNS}
+    context.update(run_id="x/p", experiment="x", system="naive", impl="harness", label="", model="m",
+                   system_options=json.dumps({"payload": "none"}), init="random", task="prefill", cluster="cpu4",
+                   routing="router", clock="host", tokens_per_rank=8)
+    write_results(make_frame([row("ct_all", 2.0, "devices/token")], context), tmp_path / "p")
+    write_run_config(tmp_path / "p", {"task.name": "prefill", "task.schema": "occult.tasks.prefill.Config",
+                                      "task.batch_size": 4, "system.name": "naive"})
+    table = run_table(load_runs([tmp_path])).sort_values("run_id")
+    shown = readable(table).set_index("run_id").options
+    assert shown["x/p"] == "" and shown["x/n0"] == "task.steps=0" and shown["x/o2"] == "task.steps=100, budget=2"
+    # one config per system and no system_options column: the settings still tell the rows apart, no path shown
+    printed = readable(table[table.system == "naive"].drop(columns=["system_options"]))
+    assert list(printed.options) == ["task.steps=0", "task.steps=100", ""] and "run_dir" not in printed

@@ -55,12 +55,17 @@ def test_per_rank_totals_price_as_the_peer_pairs_do_and_count_the_messages():
 
 def test_a_point_is_named_by_its_system_and_hierarchical_by_its_dedup_column():
     """The scale study's (and the advisor's) strategy names read the ``dedup`` column, not the
-    ``system_options`` JSON (a setting is a column, occult/columns.py)."""
+    ``system_options`` JSON (a setting is a column, occult/columns.py): a frame whose JSON says
+    otherwise is named by its column."""
+    import json
+
     from analysis.figures.scale_study import point_table
-    args = ("cluster.world_size=4", "cluster.devices_per_node=2", "task.tokens_per_rank=8", "task.backward=false")
-    for system, dedup, strategy in (("hierarchical", "node", "hierarchical_node"), ("naive", "", "naive")):
-        rows = simulated_rows(*args, f"system={system}", *([f"system.dedup={dedup}"] if dedup else []))
-        assert point_table(_frame(rows, system=system, dedup=dedup)).strategy.tolist() == [strategy]
+    rows = simulated_rows("cluster.world_size=4", "cluster.devices_per_node=2", "task.tokens_per_rank=8",
+                          "task.backward=false", "system=hierarchical", "system.dedup=node")
+    for system, dedup, strategy in (("hierarchical", "node", "hierarchical_node"),
+                                    ("hierarchical", "device", "hierarchical_device"), ("naive", "", "naive")):
+        frame = _frame(rows, system=system, dedup=dedup, system_options=json.dumps({"dedup": "elsewhere"}))
+        assert point_table(frame).strategy.tolist() == [strategy]
 
 
 def test_totals_are_not_resized_to_another_width():

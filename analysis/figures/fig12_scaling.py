@@ -12,7 +12,7 @@ import pandas as pd
 
 from occult.ep.profiles import load_profile
 
-from ..plots import palette, save, style, system_order
+from ..plots import markers, palette, save, style, system_order
 from ..projection import MEASURED, project_runs, projected_totals, target_model
 from ..sections import Section, no_data
 from ..summary import layer_table
@@ -45,15 +45,15 @@ def build(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         projected.append(tot)
     proj = pd.concat(projected, ignore_index=True) if projected else pd.DataFrame()
     style()
-    pal = palette(t.system.unique())
+    pal, mark = palette(t.system.unique()), markers(t.system.unique())
     order = system_order(t.system.unique())
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     timed = t[t.world_size <= TIMED_MAX_WORLD]
     for system in order:
         g = timed[timed.system == system].groupby("world_size").layer_fwd_bwd_ms.median()
-        axes[0].plot(g.index, g.values, "-o", color=pal[system], label=system)
+        axes[0].plot(g.index, g.values, "-", marker=mark[system], color=pal[system], label=system)
         b = t[t.system == system].groupby("world_size").remote_MB_per_rank.median()
-        axes[1].plot(b.index, b.values, "-o", color=pal[system], label=system)
+        axes[1].plot(b.index, b.values, "-", marker=mark[system], color=pal[system], label=system)
     axes[0].set_title("MoE layer fwd+bwd\nmeasured here")
     axes[0].set_ylabel("time (ms, slowest rank)")
     axes[1].set_title("remote bytes sent per rank (dispatch + combine, fwd)\nmeasured")
@@ -62,7 +62,7 @@ def build(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         proj["family"] = proj.profile.str.extract(r"sim_([a-z]+\d+)", expand=False)
         for (system, family), g in proj.groupby(["system", "family"]):
             g = g.groupby("world_size").moe_ms.median()
-            axes[2].plot(g.index, g.values, "--" if family == "a6000" else ":", marker="s", color=pal[system],
+            axes[2].plot(g.index, g.values, "--" if family == "a6000" else ":", marker=mark[system], color=pal[system],
                          label=f"{system}, {family}")
         axes[2].text(0.99, 0.98, "projected (cost model)", transform=axes[2].transAxes, ha="right", va="top",
                      fontsize=8, style="italic")

@@ -11,7 +11,7 @@ import pandas as pd
 
 from occult.ep.profiles import load_profile
 
-from ..plots import save
+from ..plots import markers, save
 from ..projection import MEASURED, PROJECTED, project_runs, projected_totals
 from ..sections import Section, no_data
 from ..summary import TASK_LATENCY, TASK_LATENCY_LABEL, task_latency
@@ -56,6 +56,7 @@ def build(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     proj = projected_totals(project_runs(df[df.task.isin(list(TASK_LATENCY))], profile, target="real",
                                                single_device=True))
     tasks, systems, pal, rows, fig, axes = task_panels(lat, proj, (4.4, 3.3))
+    mark = markers(systems)
     for j, task in enumerate(tasks):
         panels = [(axes[0][j], lat[lat.task == task], "latency_ms", "measured here (ms)")]
         if rows == 2:
@@ -65,7 +66,7 @@ def build(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             for system in systems:
                 sel = data[data.system == system].sort_values("batch_size")
                 if not sel.empty:
-                    ax.plot(sel.batch_size, sel[col], marker="o", color=pal[system], label=system,
+                    ax.plot(sel.batch_size, sel[col], marker=mark[system], color=pal[system], label=system,
                             ls="--" if col == "moe_ms" else "-")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("batch (sequences per rank)")

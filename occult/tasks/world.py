@@ -19,7 +19,7 @@ Routing sources (``task.routing``):
 A source holds N tokens; rank r takes tokens ``[r T, (r + 1) T)`` of the first T P. When the
 world needs more than the source holds (T P > N), the world's T P tokens are drawn from the N
 with replacement (seeded, the same tokens in every layer), and the rows say so:
-``resampled_tokens`` is 1 (0 otherwise), ``source_tokens`` is N.
+``resampled_tokens`` is 1 (0 otherwise), ``source_size`` is N.
 
 Also the checks of a source at validation (:func:`check_source`), the routers' model of
 ``task.routers`` (:func:`routers_spec`), and :func:`one_thread` (planning is many small
