@@ -2,10 +2,10 @@
 :mod:`tests.smoke_helpers`: Hydra's composition, validation, the runner and its ranks, on
 models shrunk by one shared list, random-init where a trained proxy would be pre-trained).
 
-The default run launches the first point of every experiment (about 50 s of CPU in all: half
-of it the launching process, mostly Hydra's six compositions per experiment, two here and
-four in ``run.py``; the ranks about 19 s, their fork server 4 s); ``slow`` launches the
-first point of every grid of every experiment and writes each experiment's report. An experiment added to the folder runs here without being named; it
+The default run launches the first point of every experiment (its cost, measured with its
+commit, is in docs/install.md: most of it the launching process's Hydra compositions, two per
+experiment here and four in ``run.py``); ``slow`` launches the first point of every grid of
+every experiment and writes each experiment's report. An experiment added to the folder runs here without being named; it
 must also be named in :data:`EXPERIMENTS` (the first test fails until it is), so that the
 list below says which experiments this file checks.
 """

@@ -21,8 +21,7 @@ from ..errors import ConfigError
 from ..spec import RunSpec
 from .common import model_parity_gate, parity_gate
 from .compare import model_replay_rows, tagged, turns
-from .schema import workload_task
-from .schema import Timed, Gated, Exchanges, Text, HeldOut, Compared, at_least, WORKLOAD_NAMES
+from .schema import WORKLOAD_NAMES, Compared, Exchanges, Gated, HeldOut, Text, Timed, at_least, workload_task
 
 
 @dataclass

@@ -50,8 +50,7 @@ from ..models.runtime import sync_gradients
 from ..records import row
 from ..spec import RunSpec
 from . import model as model_task
-from .schema import workload_task
-from .schema import Gated, Text, HeldOut, at_least
+from .schema import Gated, HeldOut, Text, at_least, workload_task
 from .training import adamw, clip_global_grad_norm, evaluate_rank_model, finetuning_schedule, rank_eval_ids
 
 

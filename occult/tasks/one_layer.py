@@ -82,11 +82,6 @@ def rank_workload(spec, rank: int, world_size: int, seed: int) -> torch.Tensor:
                          t.max_over_mean, t.incast_device, t.incast_share, t.trace)
 
 
-def profiling_load(spec, world_size: int) -> torch.Tensor:
-    """Pairs per expert [E] on the profiling set of :func:`profiling_ids`."""
-    return torch.bincount(profiling_ids(spec, world_size).flatten(), minlength=spec.model.num_experts).double()
-
-
 def profiling_ids(spec, world_size: int) -> torch.Tensor:
     """The top-k ids [N, K] of a profiling set: every rank's routing of the run's workload
     drawn from seed + 1 (a trace: the trace itself; router routing: the layer's router on
@@ -109,7 +104,7 @@ def profiling_ids(spec, world_size: int) -> torch.Tensor:
 
 def task_placement(ctx, spec):
     """The layer's placement from ``task.placement`` (None: the system's own): EPLB's slots
-    from :func:`profiling_load` (rank 0 writes the artifact to the run folder), or a slot
+    from the pairs per expert of :func:`profiling_ids` (rank 0 writes the artifact to the run folder), or a slot
     artifact's first layer."""
     t = spec.task
     if t.placement == "contiguous":
