@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from occult.config import CONF_DIR, group_yamls
+from occult.ep.profiles import ProfileConf
 from occult.ep.system import import_object, system_config
-from occult.schemas import ClusterConf, ModelConf
+from occult.schemas import ClusterConf, ModelConf, PretrainConf
 from occult.tasks.schema import task_schema
 from test_task_options import spec_of
 
@@ -64,9 +65,10 @@ def test_a_spec_is_frozen_typed_and_pickles():
 
 
 def schema_fields() -> set:
-    """Every field name of the model's, the cluster's, every task's and every system's schema
+    """Every field name of the model's, the cluster's, pre-training's, a projection profile's,
+    every task's and every system's schema
     (``name``, ``schema`` and ``_target_`` left out: they name, they have no default to restate)."""
-    names = {f.name for cls in (ModelConf, ClusterConf) for f in dataclasses.fields(cls)}
+    names = {f.name for cls in (ModelConf, ClusterConf, PretrainConf, ProfileConf) for f in dataclasses.fields(cls)}
     for name in TASKS:
         names |= {f.name for f in dataclasses.fields(_schema(name))}
     for path in group_yamls([CONF_DIR], "system").values():
@@ -75,12 +77,7 @@ def schema_fields() -> set:
 
 
 # reads of a field's name with a default that are not reads of a schema field: (function, call) -> why
-PROFILE = "a projection profile's dict (ProfileConf of conf/profile, read by its own reader), not the cluster's schema"
-ALLOWED = {
-    ("link_from_fields", "c.get('devices_per_node', 0)"): PROFILE,
-    ("profile_from_dict", "c.get('devices_per_node', 0)"): PROFILE,
-    ("profile_from_dict", "c.get('world_size', 0)"): PROFILE,
-}
+ALLOWED: dict = {}
 
 
 def defaulted_reads(source: str, fields: set) -> list:

@@ -43,23 +43,25 @@ class Link:
 
 def link_from_fields(c: dict) -> Link:
     """A GPU profile's fixed links: nominal numbers times the profile's efficiencies (NVLink's
-    and the NIC's own where the profile gives them, else ``link_efficiency``)."""
-    eff, ceff = float(c.get("link_efficiency", 1.0)), float(c.get("compute_efficiency", 1.0))
-    intra_eff = float(c.get("intra_node_efficiency", 0.0) or 0.0) or eff
-    inter_eff = float(c.get("inter_node_efficiency", 0.0) or 0.0) or eff
-    inter = float(c.get("inter_node_GBps", 0.0)) * int(c.get("nics_per_node", 0) or 0)
-    per_node = int(c.get("devices_per_node", 0) or 0)
+    and the NIC's own where the profile gives them, else ``link_efficiency``). ``c``: every
+    field of a profile, its defaults filled in (:func:`occult.ep.profiles.checked_fields`);
+    a field at 0 is one the profile does not state."""
+    eff, ceff = float(c["link_efficiency"]), float(c["compute_efficiency"])
+    intra_eff = float(c["intra_node_efficiency"]) or eff
+    inter_eff = float(c["inter_node_efficiency"]) or eff
+    inter = float(c["inter_node_GBps"]) * int(c["nics_per_node"])
+    per_node = int(c["devices_per_node"])
     inter_share = inter / per_node if per_node and inter else 0.0
-    return Link(intra_latency_s=float(c.get("intra_node_latency_us", 0.0)) * 1e-6,
+    return Link(intra_latency_s=float(c["intra_node_latency_us"]) * 1e-6,
                 intra_Bps=float(c["intra_node_GBps"]) * 1e9 * intra_eff,
-                inter_latency_s=float(c.get("inter_node_latency_us", 0.0)) * 1e-6,
+                inter_latency_s=float(c["inter_node_latency_us"]) * 1e-6,
                 inter_Bps=inter_share * 1e9 * inter_eff if inter_share else float("inf"),
                 devices_per_node=per_node,
-                flops=float(c.get("device_TFLOPs", 0.0)) * 1e12 * ceff or float("inf"),
-                memory_Bps=float(c.get("memory_GBps", 0.0)) * 1e9 or float("inf"),
-                intra_message_s=float(c.get("intra_node_message_us", 0.0) or 0.0) * 1e-6,
-                inter_message_s=float(c.get("inter_node_message_us", 0.0) or 0.0) * 1e-6,
-                overlap=bool(c.get("overlap_links", True)))
+                flops=float(c["device_TFLOPs"]) * 1e12 * ceff or float("inf"),
+                memory_Bps=float(c["memory_GBps"]) * 1e9 or float("inf"),
+                intra_message_s=float(c["intra_node_message_us"]) * 1e-6,
+                inter_message_s=float(c["inter_node_message_us"]) * 1e-6,
+                overlap=bool(c["overlap_links"]))
 
 
 def calibration_links(points: list) -> dict:

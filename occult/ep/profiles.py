@@ -115,18 +115,18 @@ def profile_from_dict(c: dict) -> Profile:
     """A :class:`Profile` from a profile config's fields (checked by :func:`checked_fields`)."""
     c = checked_fields(c)
     name = c["name"]
-    calibration = calibration_links(c.get("calibration"))
-    if not calibration and not c.get("intra_node_GBps"):
+    calibration = calibration_links(c["calibration"])
+    if not calibration and not c["intra_node_GBps"]:
         raise ValueError(f"profile={name}: needs intra_node_GBps (GB/s) or a calibration list")
-    sizes = tuple(int(p) for p in c.get("world_sizes") or [])
-    per_node = int(c.get("devices_per_node", 0) or 0)
+    sizes = tuple(int(p) for p in c["world_sizes"])
+    per_node = int(c["devices_per_node"])
     if sizes and (calibration or any(p < 1 or (per_node and p > per_node and p % per_node) for p in sizes)):
         raise ValueError(f"profile={name}: world_sizes={list(sizes)}: allowed values are positive world sizes "
                          f"that fill whole nodes of devices_per_node={per_node}, for a profile of fixed links "
                          "(not a calibration list)")
-    return Profile(name=name, world_size=int(c.get("world_size", 0) or 0), dtype=c.get("dtype") or "float32",
+    return Profile(name=name, world_size=int(c["world_size"]), dtype=c["dtype"],
                    link=None if calibration else link_from_fields(c), calibration=calibration,
-                   source=c.get("source", ""), world_sizes=sizes, memory_GB=float(c.get("memory_GB", 0.0) or 0.0))
+                   source=c["source"], world_sizes=sizes, memory_GB=float(c["memory_GB"]))
 
 
 def available_profiles() -> list[str]:
