@@ -21,17 +21,16 @@ from ..errors import ConfigError
 from ..spec import RunSpec
 from .common import model_parity_gate, parity_gate
 from .compare import model_replay_rows, tagged, turns
-from .schema import WORKLOAD_NAMES, Compared, Exchanges, Gated, HeldOut, Text, Timed, at_least, workload_task
+from .schema import (WORKLOAD_NAMES, Compared, Exchanges, Gated, Generates, HeldOut, Text, Timed, Trained,
+                     workload_task)
 
 
 @dataclass
-class Config(Timed, Gated, Exchanges, Text, HeldOut, Compared):
+class Config(Timed, Gated, Exchanges, Text, HeldOut, Compared, Generates, Trained):
     """task=bench_model: systems side by side on a whole model's ``workload`` (the
     prefill, decode or train task's own iterations)."""
 
     workload: str = "prefill"           # prefill | decode | train
-    new_tokens: int = 16                # workload=decode
-    lr: float = 1e-3                    # workload=train
 
     entry: ClassVar[str] = "occult.tasks.bench_model.run"
     prepare: ClassVar[str] = "occult.tasks.compare.prepare"
@@ -41,7 +40,6 @@ class Config(Timed, Gated, Exchanges, Text, HeldOut, Compared):
         super().check()
         if self.workload not in WORKLOAD_NAMES:
             raise ConfigError(f"task.workload={self.workload!r}: allowed values are {list(WORKLOAD_NAMES)}")
-        at_least("new_tokens", self.new_tokens, 0)
 
     def unread(self) -> Dict[str, str]:
         out = super().unread()

@@ -16,16 +16,15 @@ from typing import ClassVar
 from ..errors import ConfigError
 from ..spec import RunSpec
 from .model import run_workload
-from .schema import Served, at_least
+from .schema import Generates, Served
 
 
 @dataclass
-class Config(Served):
+class Config(Served, Generates):
     """task=decode: greedy generation with a KV cache after the prompts. ``cuda_graph``: each
     MoE block's static decode step captured in a CUDA graph and replayed
     (:mod:`occult.ep.graphs`; CUDA ranks and ``system.dispatch_mode=static`` only)."""
 
-    new_tokens: int = 16
     cuda_graph: bool = False
 
     entry: ClassVar[str] = "occult.tasks.decode.run"
@@ -36,7 +35,6 @@ class Config(Served):
 
     def check(self) -> None:
         super().check()
-        at_least("new_tokens", self.new_tokens, 0)
         if self.migration:
             raise ConfigError("task.migration=true: task=decode would move each migrated sequence's KV cache, "
                               "which is not implemented; allowed values here: false (migration runs with "

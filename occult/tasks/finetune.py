@@ -50,18 +50,17 @@ from ..models.runtime import sync_gradients
 from ..records import row
 from ..spec import RunSpec
 from . import model as model_task
-from .schema import Gated, HeldOut, Text, at_least, workload_task
+from .schema import Gated, HeldOut, Text, Trained, at_least, workload_task
 from .training import adamw, clip_global_grad_norm, evaluate_rank_model, finetuning_schedule, rank_eval_ids
 
 
 @dataclass
-class Config(Gated, Text, HeldOut):
+class Config(Gated, Text, HeldOut, Trained):
     """task=finetune: Occult's modified fine-tuning, then held-out evaluation on both
     domains (:mod:`occult.tasks.finetune`). ``tokens_per_rank``: held-out tokens per rank
     and domain (0: the whole split); ``timing_iters``: timed prefill forwards after it."""
 
     steps: int = 100
-    lr: float = 1e-3
     tokens_per_rank: int = 4096
     timing_iters: int = 0
 

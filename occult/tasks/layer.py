@@ -21,14 +21,13 @@ from ..ep.static import times_by_marks
 from ..spec import RunSpec
 from .common import comm_rows, parity_gate, routing_rows
 from .one_layer import build_layer, make_inputs, task_placement, time_iteration
-from .schema import Timed, Gated, Exchanges, LayerInputs, Placed
+from .schema import Timed, Gated, Exchanges, LayerInputs, Placed, WithBackward
 
 
 @dataclass
-class Config(Timed, Gated, Exchanges, Placed, LayerInputs):
+class Config(Timed, Gated, Exchanges, Placed, LayerInputs, WithBackward):
     """task=layer: one MoE layer, timed per phase (:mod:`occult.tasks.layer`)."""
 
-    backward: bool = True
     calibrate: bool = False             # measure the world's loopback first (the cost-model check)
 
     entry: ClassVar[str] = "occult.tasks.layer.run"

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Dict, Optional
+from typing import ClassVar, Dict
 
 import torch
 
@@ -37,11 +37,12 @@ from ..placement import load_max_over_mean, optimise, save_placements
 from ..records import row
 from ..spec import RunSpec
 from .world import one_thread, rank_routing, task_layers, world_source
+from .schema import LoadCapped
 from .world import RoutedWorld
 
 
 @dataclass
-class Config(RoutedWorld):
+class Config(RoutedWorld, LoadCapped):
     """task=place: a placement artifact for a world that is not here, in one process
     (:mod:`occult.tasks.place`): each MoE layer's experts grouped onto ``cluster.world_size``
     devices by ``optimiser`` (a placement optimiser, :data:`occult.placement.OPTIMISERS`) at
@@ -52,7 +53,6 @@ class Config(RoutedWorld):
 
     split: str = "train"
     optimiser: str = "swap_search"
-    load_cap: Optional[float] = 1.25
     time_limit_s: float = 10.0
 
     entry: ClassVar[str] = "occult.tasks.place.run"
@@ -64,9 +64,6 @@ class Config(RoutedWorld):
 
         if self.optimiser not in OPTIMISERS:
             raise ConfigError(f"task.optimiser={self.optimiser!r}: allowed values are {sorted(OPTIMISERS)}")
-        if self.load_cap is not None and self.load_cap < 1.0:
-            raise ConfigError(f"task.load_cap={self.load_cap}: allowed values are null (no cap) or a number >= 1.0 "
-                              "(max / mean device load)")
         if self.time_limit_s <= 0:
             raise ConfigError(f"task.time_limit_s={self.time_limit_s}: must be > 0 seconds")
 

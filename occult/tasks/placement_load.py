@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import ClassVar, Dict, Optional
+from typing import ClassVar, Dict
 
 import torch
 
@@ -45,11 +45,12 @@ from ..errors import ConfigError
 from ..records import row
 from ..spec import RunSpec
 from .world import one_thread, rank_routing, task_layers, world_source
+from .schema import AffinityPacked, LoadCapped
 from .world import RoutedWorld
 
 
 @dataclass
-class Config(RoutedWorld):
+class Config(RoutedWorld, LoadCapped, AffinityPacked):
     """task=placement_load: C_T and load of every placement and replica rule for a world that
     is computed in one process (:mod:`occult.tasks.placement_load`). The routing of
     :class:`RoutedWorld` (the placements built from ``profiling_split``, judged on ``split``),
@@ -59,9 +60,7 @@ class Config(RoutedWorld):
 
     max_over_mean: float = 0.0          # > 0: the imbalance workload at this received max / mean
     profiling_split: str = "train"
-    load_cap: Optional[float] = 1.25
     time_limit_s: float = 2.0
-    affinity_weight: float = 0.25
 
     entry: ClassVar[str] = "occult.tasks.placement_load.run"
     uses_system: ClassVar[bool] = False          # it plans naive and occult itself
@@ -71,12 +70,8 @@ class Config(RoutedWorld):
         if self.max_over_mean and self.max_over_mean < 1.0:
             raise ConfigError(f"task.max_over_mean={self.max_over_mean}: allowed values are 0 (the routing) or "
                               ">= 1.0 (the imbalance workload)")
-        if self.load_cap is not None and self.load_cap < 1.0:
-            raise ConfigError(f"task.load_cap={self.load_cap}: allowed values are null (no cap) or a number >= 1.0")
         if self.time_limit_s <= 0:
             raise ConfigError(f"task.time_limit_s={self.time_limit_s}: must be > 0 seconds")
-        if not self.affinity_weight >= 0:
-            raise ConfigError(f"task.affinity_weight={self.affinity_weight}: must be >= 0")
 
     def unread(self) -> Dict[str, str]:
         out = super().unread()

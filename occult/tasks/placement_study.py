@@ -39,18 +39,16 @@ from ..ep.measure import clock
 from ..errors import ConfigError
 from ..placement.study import cap_label, judge, placement_frame, save_artifacts, study_jobs, study_rows
 from ..spec import RunSpec
-from .schema import Gated, HeldOut, at_least
+from .schema import Corpus, Gated, HeldOut, at_least
 
 
 @dataclass
-class Config(Gated, HeldOut):
+class Config(Gated, HeldOut, Corpus):
     """task=placement_study: placement optimisers judged on held-out routing
     (:mod:`occult.tasks.placement_study`). ``tokens_per_rank``: profiling tokens per rank,
     in windows of ``seq_len`` tokens of ``corpus`` / ``split``; ``held_out_tokens``: held-out
     tokens per rank of the corpus's validation split (null: the whole split)."""
 
-    corpus: str = "shakespeare"
-    seq_len: int = 128
     tokens_per_rank: int = 1024
     held_out_tokens: Optional[int] = later(None)
     # the optimisers (occult.placement) run at every load cap (null: none; max / mean device
@@ -66,7 +64,6 @@ class Config(Gated, HeldOut):
 
     def check(self) -> None:
         super().check()
-        at_least("seq_len", self.seq_len, 1)
         at_least("tokens_per_rank", self.tokens_per_rank, 1)
         if self.held_out_tokens is not None:
             at_least("held_out_tokens", self.held_out_tokens, 1)

@@ -13,9 +13,11 @@ whether it runs a whole model, an expert-parallel layer, the top-level ``system`
 ``conf/config.yaml`` merges the chosen task's schema under its YAML, as it does for systems.
 
 The option groups here (:class:`Timed`, :class:`Gated`, :class:`Exchanges`,
-:class:`LayerInputs`, :class:`Placed`, :class:`Text`, :class:`MicroBatched`,
-:class:`HeldOut`, :class:`Compared`, :class:`Migrated`, :class:`Served`; the simulated
-world's :class:`occult.tasks.world.RoutedWorld`) declare each shared field and its default once, with its checks. Some
+:class:`Drawn`, :class:`LayerInputs`, :class:`AffinityPacked`, :class:`Placed`,
+:class:`LoadCapped`, :class:`Corpus`, :class:`Text`, :class:`MicroBatched`, :class:`HeldOut`,
+:class:`Compared`, :class:`Migrated`, :class:`Trained`, :class:`Generates`,
+:class:`WithBackward`, :class:`SavesRouting`, :class:`Served`; the simulated world's
+:class:`occult.tasks.world.RoutedWorld`) declare each shared field and its default once, with its checks. Some
 fields are read only with some values of others (``task=bench_model`` reads
 ``task.new_tokens`` only for ``task.workload=decode``); :meth:`TaskConf.unread` names them,
 and validation refuses one set away from its default.
@@ -181,24 +183,35 @@ class Exchanges(TaskConf):
 
 
 @dataclass
-class LayerInputs(TaskConf):
+class Drawn(TaskConf):
+    """The tokens of every rank and the routing sources the layer tasks (:class:`LayerInputs`)
+    and the simulated world (:class:`occult.tasks.world.RoutedWorld`) share; each says which
+    ``routing`` reads them."""
+
+    tokens_per_rank: int = 512          # T of every rank
+    zipf_s: float = 1.2                 # skew of routing=zipf
+    trace: Optional[str] = None         # routing=trace: a routing.parquet, or a run folder holding one
+
+    def check(self) -> None:
+        super().check()
+        if self.zipf_s < 0:
+            raise ConfigError(f"task.zipf_s={self.zipf_s}: must be >= 0 (0 is uniform routing; larger is more skewed)")
+
+
+@dataclass
+class LayerInputs(Drawn):
     """One MoE layer's inputs: seeded tokens and synthetic (or router) routing; the load
     workloads (``imbalance``, ``incast``, ``trace``: :mod:`occult.workloads`)."""
 
-    tokens_per_rank: int = 512          # T
     routing: str = "uniform"            # router | uniform | zipf | imbalance | incast | trace
-    zipf_s: float = 1.2                 # skew of routing=zipf
     max_over_mean: float = later(2.0)   # routing=imbalance: dispatch received rows max / mean (contiguous)
     incast_device: int = later(0)       # routing=incast: the device whose experts draw ...
     incast_share: float = later(0.5)    # ... this share of every token's choices
-    trace: Optional[str] = None         # routing=trace: a routing.parquet, or a run folder holding one
 
     def check(self) -> None:
         super().check()
         if self.routing not in ROUTINGS:
             raise ConfigError(f"task.routing={self.routing!r}: allowed values are {list(ROUTINGS)}")
-        if self.zipf_s < 0:
-            raise ConfigError(f"task.zipf_s={self.zipf_s}: must be >= 0 (0 is uniform routing; larger is more skewed)")
         at_least("tokens_per_rank", self.tokens_per_rank, 0)
         if self.max_over_mean < 1.0:
             raise ConfigError(f"task.max_over_mean={self.max_over_mean}: allowed values are 1.0 to "
@@ -235,7 +248,19 @@ PLACEMENTS = ("contiguous", "eplb", "eplb_affinity")
 
 
 @dataclass
-class Placed(TaskConf):
+class AffinityPacked(TaskConf):
+    """The affinity-aware EPLB packing's weight (:mod:`occult.placement.affinity`)."""
+
+    affinity_weight: float = 0.25       # eplb_affinity: the co-activation bonus (occult.placement.affinity)
+
+    def check(self) -> None:
+        super().check()
+        if not self.affinity_weight >= 0:
+            raise ConfigError(f"task.affinity_weight={self.affinity_weight}: must be >= 0")
+
+
+@dataclass
+class Placed(AffinityPacked):
     """Where the experts sit: ``placement``: ``contiguous`` (the system's own placement),
     ``eplb`` (physical slots built by DeepSeek's EPLB from the loads of a profiling set, with
     ``num_redundant`` extra slots: :mod:`occult.placement.eplb`; the artifact is written to the
@@ -247,7 +272,6 @@ class Placed(TaskConf):
 
     placement: str = column("contiguous", absent="", later="contiguous")
     num_redundant: int = later(0)
-    affinity_weight: float = 0.25       # eplb_affinity: the co-activation bonus (occult.placement.affinity)
 
     def check(self) -> None:
         super().check()
@@ -256,8 +280,6 @@ class Placed(TaskConf):
                               "path of a slot placement artifact (.json)")
         if self.num_redundant < 0:
             raise ConfigError(f"task.num_redundant={self.num_redundant}: must be >= 0 (extra physical slots)")
-        if not self.affinity_weight >= 0:
-            raise ConfigError(f"task.affinity_weight={self.affinity_weight}: must be >= 0")
 
     def unread(self) -> Dict[str, str]:
         out = super().unread()
@@ -307,17 +329,39 @@ class Placed(TaskConf):
 
 
 @dataclass
-class Text(TaskConf):
-    """Sequences of a text corpus (held-out windows, or training batches)."""
+class LoadCapped(TaskConf):
+    """The placement optimisers' load cap (:mod:`occult.placement`)."""
 
-    batch_size: int = 4                 # sequences per rank
+    load_cap: Optional[float] = 1.25    # max / mean device load (null: none)
+
+    def check(self) -> None:
+        super().check()
+        if self.load_cap is not None and self.load_cap < 1.0:
+            raise ConfigError(f"task.load_cap={self.load_cap}: allowed values are null (no cap) or a number >= 1.0 "
+                              "(max / mean device load)")
+
+
+@dataclass
+class Corpus(TaskConf):
+    """Windows of ``seq_len`` tokens of a text corpus."""
+
     seq_len: int = 128
     corpus: str = "shakespeare"
 
     def check(self) -> None:
         super().check()
-        at_least("batch_size", self.batch_size, 1)
         at_least("seq_len", self.seq_len, 1)
+
+
+@dataclass
+class Text(Corpus):
+    """Sequences of a text corpus (held-out windows, or training batches)."""
+
+    batch_size: int = 4                 # sequences per rank
+
+    def check(self) -> None:
+        super().check()
+        at_least("batch_size", self.batch_size, 1)
 
     def call_tokens(self) -> int:
         """The most tokens one rank's layer call holds in the timed work (what a system with
@@ -409,11 +453,41 @@ class Migrated(TaskConf):
 
 
 @dataclass
-class Served(Timed, Gated, Placed, MicroBatched, HeldOut, Migrated):
-    """A whole model serving held-out prompts (task=prefill, task=decode: the iterations of
-    :mod:`occult.tasks.model`)."""
+class Trained(TaskConf):
+    """The optimiser's learning rate (AdamW)."""
+
+    lr: float = 1e-3
+
+
+@dataclass
+class Generates(TaskConf):
+    """Greedy generation: ``new_tokens`` tokens after the prompts."""
+
+    new_tokens: int = 16
+
+    def check(self) -> None:
+        super().check()
+        at_least("new_tokens", self.new_tokens, 0)
+
+
+@dataclass
+class WithBackward(TaskConf):
+    """The backward pass too (task=layer times it; task=simulate plans its collectives)."""
+
+    backward: bool = True
+
+
+@dataclass
+class SavesRouting(TaskConf):
+    """A whole model's routing written to the run folder."""
 
     save_routing: bool = False          # write routing.parquet (+ router logits)
+
+
+@dataclass
+class Served(Timed, Gated, Placed, MicroBatched, HeldOut, Migrated, SavesRouting):
+    """A whole model serving held-out prompts (task=prefill, task=decode: the iterations of
+    :mod:`occult.tasks.model`)."""
 
     prepare: ClassVar[str] = "occult.tasks.model.prepare"
     whole_model: ClassVar[bool] = True

@@ -46,21 +46,22 @@ from ..records import row
 from ..spec import RunSpec
 from .common import comm_rows, rows_per_token_row, token_rows_of
 from .world import one_thread, rank_routing, task_layers, world_source
+from .schema import WithBackward
 from .world import RoutedWorld
 
 
 @dataclass
-class Config(RoutedWorld):
+class Config(RoutedWorld, WithBackward):
     """task=simulate: the traffic of a world that is not here (``cluster.world_size`` ranks,
     ``cluster.devices_per_node`` a node), every rank's plan in one process
     (:mod:`occult.tasks.simulate`), on the routing of :class:`RoutedWorld`. ``backward``:
     plan the backward's collectives too; ``peer_rows``: a row per peer pair (false:
     per-rank totals only)."""
 
-    backward: bool = True
     peer_rows: bool = True
 
     entry: ClassVar[str] = "occult.tasks.simulate.run"
+    plans_system: ClassVar[bool] = True
 
 
 # ---------------------------------------------------------------------------
@@ -184,7 +185,7 @@ def _simulate(ctx, spec: RunSpec) -> list:
         rows += [row("source_size", source.tokens, "tokens"),
                  row("resampled_tokens", float(source.resampled), "bool")]
     for layer in task_layers(m, t.sample_layers):
-        T = t.total_tokens // c.world_size if t.total_tokens else t.tokens_per_rank
+        T = t.rank_tokens(c.world_size)
         dispatcher = system_config(spec.system).sized(T).build(ep, layer, m.num_experts)
         need_probs = dispatcher.routing_transform(layer) is not None
         routing = []

@@ -16,17 +16,15 @@ from ..columns import column
 from ..errors import ConfigError
 from ..spec import RunSpec
 from .model import run_workload
-from .schema import Timed, Gated, Placed, MicroBatched, Migrated
+from .schema import Timed, Gated, Placed, MicroBatched, Migrated, SavesRouting, Trained
 
 
 @dataclass
-class Config(Timed, Gated, Placed, MicroBatched, Migrated):
+class Config(Timed, Gated, Placed, MicroBatched, Migrated, Trained, SavesRouting):
     """task=train: forward, backward, gradient sync and an AdamW step on training batches
     of ``corpus`` (its train split). ``grad_sync``: when the replicated weights' gradients
     are averaged (``end``, ``overlap``, ``lina``: :mod:`occult.models.grad_sync`)."""
 
-    lr: float = 1e-3
-    save_routing: bool = False
     grad_sync: str = column("end", absent="", later="end")
 
     def schedule(self) -> Dict[str, Any]:

@@ -46,14 +46,14 @@ from ..routing_traces import ROUTING_FILE, load_trace, trace_layers
 from ..schemas import ModelConf, plain, typed
 from ..spec import RunSpec
 from ..synthetic import expert_popularity, gumbel_keys, sample_router
-from .schema import TaskConf, at_least
+from .schema import Corpus, Drawn, HeldOut, at_least
 
 
 SIMULATED_ROUTINGS = ("router", "trace", "uniform", "zipf")
 
 
 @dataclass
-class RoutedWorld(TaskConf):
+class RoutedWorld(Drawn, Corpus, HeldOut):
     """The routing of a world that is not here (``cluster.world_size`` ranks), for the tasks
     that compute it in one process (:mod:`occult.tasks.world`): the model's routers on
     ``source_tokens`` tokens of held-out text (``router``), a run's routing trace (``trace``:
@@ -61,17 +61,13 @@ class RoutedWorld(TaskConf):
     how many MoE layers to compute (0: every one; :func:`occult.tasks.world.task_layers`);
     ``routers``: route with another model's routers (a trained proxy of a full config that
     has none here); ``total_tokens``: the world's tokens (strong
-    scaling; 0: ``tokens_per_rank`` on every rank)."""
+    scaling; 0: ``tokens_per_rank`` on every rank). ``tokens_per_rank``, ``zipf_s``, ``trace``:
+    :class:`occult.tasks.schema.Drawn`; ``corpus``, ``seq_len``: :class:`occult.tasks.schema.Corpus`;
+    ``split``: :class:`occult.tasks.schema.HeldOut`."""
 
-    tokens_per_rank: int = 512          # T of every simulated rank
     total_tokens: int = later(0)        # the world's tokens, T = total_tokens / P (0: tokens_per_rank)
     routing: str = "router"             # router | trace | uniform | zipf
-    zipf_s: float = 1.2                 # routing=zipf
-    trace: Optional[str] = None         # routing=trace: a run folder holding routing.parquet
     source_tokens: int = 32768          # routing=router: held-out tokens the model routes
-    corpus: str = "shakespeare"         # routing=router: the held-out text
-    split: str = "validation"
-    seq_len: int = 128
     routers: Optional[str] = later(None)    # routing=router: the conf/model whose routers route (a trained proxy
                                         # of the model's E and K; null: the model's own)
     sample_layers: int = later(0)       # MoE layers computed: 0 every one, n evenly spaced (1: the middle one)
@@ -82,14 +78,15 @@ class RoutedWorld(TaskConf):
     expert_parallel_only: ClassVar[bool] = True
     one_process: ClassVar[bool] = True
     clock: ClassVar[str] = "simulated"
+    # the task plans the top-level system's traffic (task=simulate): the system needs a traffic
+    # plan, and a trace its router logits where the system's routing transform reads them
+    plans_system: ClassVar[bool] = False
 
     def check(self) -> None:
         super().check()
         if self.routing not in SIMULATED_ROUTINGS:
             raise ConfigError(f"task.routing={self.routing!r}: allowed values are {list(SIMULATED_ROUTINGS)}")
-        if self.zipf_s < 0:
-            raise ConfigError(f"task.zipf_s={self.zipf_s}: must be >= 0 (0 is uniform routing; larger is more skewed)")
-        for name in ("tokens_per_rank", "source_tokens", "seq_len"):
+        for name in ("tokens_per_rank", "source_tokens"):
             at_least(name, getattr(self, name), 1)
         at_least("total_tokens", self.total_tokens, 0)
         if self.routing == "trace" and not self.trace:
@@ -118,9 +115,13 @@ class RoutedWorld(TaskConf):
 
     def columns(self, world_size: int) -> Dict[str, Any]:
         out = super().columns(world_size)
-        if self.total_tokens:
-            out["tokens_per_rank"] = self.total_tokens // world_size
+        out["tokens_per_rank"] = self.rank_tokens(world_size)
         return out
+
+    def rank_tokens(self, world_size: int) -> int:
+        """Tokens of every simulated rank of a ``world_size``-rank world: ``total_tokens / P``
+        (strong scaling) or ``tokens_per_rank``."""
+        return self.total_tokens // world_size if self.total_tokens else self.tokens_per_rank
 
     def replayed_trace(self) -> Optional[str]:
         return self.trace if self.routing == "trace" else None
@@ -147,13 +148,6 @@ def task_layers(model, sample_layers: int) -> list:
     return sorted({layers[int(i * step + 0.5)] for i in range(n)})         # halves round up, as n = 1 does
 
 
-def rank_tokens(cfg) -> int:
-    """Tokens of every simulated rank: ``task.total_tokens / P`` (strong scaling) or
-    ``task.tokens_per_rank``."""
-    t = cfg.task
-    return t.total_tokens // cfg.cluster.world_size if t.total_tokens else t.tokens_per_rank
-
-
 # ---------------------------------------------------------------------------
 # checking the source (at validation) and preparing it (in the launching process)
 # ---------------------------------------------------------------------------
@@ -165,7 +159,7 @@ def check_source(task, cfg) -> None:
     transform reads router probabilities). One line each (:class:`ConfigError`)."""
     m = cfg.model
     check_world(task, cfg)
-    refusal = system_config(cfg.system).plan_refusal() if task.name == "simulate" else None
+    refusal = system_config(cfg.system).plan_refusal() if task.plans_system else None
     if refusal:
         raise ConfigError(f"system={cfg.system.name} has no traffic plan: {refusal}; systems with one: "
                           f"{planned_systems()}")
@@ -190,7 +184,7 @@ def check_source(task, cfg) -> None:
     if found != layers:
         raise ConfigError(f"task.trace={task.trace!r} has {len(found)} MoE layer(s) {found}; model={m.name} has "
                           f"{len(layers)}: {layers}")
-    if task.name == "simulate" and not logits and _transform_of(cfg, layers[0]) is not None:
+    if task.plans_system and not logits and _transform_of(cfg, layers[0]) is not None:
         raise ConfigError(f"system={cfg.system.name} applies a routing transform that reads router probabilities; "
                           f"task.trace={task.trace!r} has no router logits (a run with task.save_routing=true on a "
                           "whole model writes them)")
@@ -385,7 +379,7 @@ def world_source(cfg, salt: int = 0) -> Optional[Source]:
     else:
         return None
     N = next(iter(layers.values()))[0].shape[0]
-    W = rank_tokens(cfg) * cfg.cluster.world_size
+    W = cfg.task.rank_tokens(cfg.cluster.world_size) * cfg.cluster.world_size
     if N >= W:
         return Source(layers, torch.arange(W, device="cpu"), N)
     g = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + 17)
@@ -400,7 +394,7 @@ def rank_routing(cfg, source: Optional[Source], layer: int, rank: int, device, s
     False when no routing transform reads the probabilities (a source's are then not
     computed: a [T, E] softmax per rank)."""
     m, t = cfg.model, cfg.task
-    T = rank_tokens(cfg)
+    T = t.rank_tokens(cfg.cluster.world_size)
     if source is None:
         g = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + 7919 * (layer + 1) + 104729 * (rank + 1)
                                                       + 15_485_863 * salt)
