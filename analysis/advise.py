@@ -30,6 +30,7 @@ layers and caches are the same for every strategy and not counted. Shapes: P ran
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 import time
@@ -39,14 +40,13 @@ from typing import Optional
 
 import numpy as np
 import pandas as pd
+from omegaconf import OmegaConf
 
 from occult.config import CONF_DIR, read_conf, select_systems
-from occult.ep.links import ELEMENT_BYTES
 from occult.ep.profiles import load_profile
 
-from .figures.scale_study import point_table, strategy_of
+from .figures.scale_study import moe_layers, per_gpu, point_table, projected, strategy_of, why_none
 from .load import load_runs
-from .projection import project_runs, projected_totals
 
 # occult_placed's placement: task=place on this many profiling tokens, swap_search capped per layer
 PROFILE_TOKENS, PLACE_TIME_LIMIT_S = 16384, 5.0
@@ -67,7 +67,9 @@ class Request:
     profile: str
     phase: str = "decode"
     tokens_per_rank: int = 128
-    world_size: int = 0
+    world_size: int = 0             # one P (0: world_sizes, else the largest that divides the experts)
+    world_sizes: tuple = ()         # several P: the advice is a (strategy, P) pair
+    latency_ms: float = 0.0         # bound on the MoE layers' projected time per step (0: none)
     trace: Optional[str] = None
     routing: Optional[str] = None
     sample_layers: int = 3
@@ -100,9 +102,17 @@ def parse(argv) -> Request:
             raise ValueError(f"{name}= is required (e.g. model=deepseek_v3 profile=sim_h200_nodes)")
     if kv.get("phase", "decode") not in PHASES:
         raise ValueError(f"phase={kv['phase']}: allowed values are {list(PHASES)}")
-    for name in ("tokens_per_rank", "world_size", "sample_layers"):
+    if "world_size" in kv and "world_sizes" in kv:
+        raise ValueError("world_size= and world_sizes= together: give one (world_sizes=32,64,... for several P)")
+    for name in ("tokens_per_rank", "world_size", "sample_layers", "world_sizes", "latency_ms"):
         if name in kv:
-            kv[name] = int(kv[name])
+            try:
+                kv[name] = tuple(int(p) for p in kv[name].split(",") if p) if name == "world_sizes" else \
+                    (float if name == "latency_ms" else int)(kv[name])
+            except ValueError:
+                raise ValueError(f"{name}={kv[name]}: allowed values are "
+                                 + ("comma-separated integers" if name == "world_sizes" else
+                                    "a number of ms" if name == "latency_ms" else "an integer")) from None
     allowed = candidates()
     if "systems" in kv:
         kv["systems"] = tuple(s for s in kv["systems"].split(",") if s)
@@ -114,19 +124,32 @@ def parse(argv) -> Request:
     return Request(**kv)
 
 
-def world_size_of(req: Request, num_experts: int) -> int:
-    """The world the advice is for: ``world_size=``, else the profile's largest world size that
-    divides the experts (a one-line ``ValueError`` when none does)."""
+def world_sizes_of(req: Request, num_experts: int) -> list:
+    """The worlds the advice is for: ``world_sizes=`` or ``world_size=`` (each one the profile
+    covers and that divides the experts, else a one-line ``ValueError`` naming the field and the
+    allowed values), else the profile's largest world size that divides the experts."""
     sizes = load_profile(req.profile).sizes()
-    if req.world_size:
-        if req.world_size not in sizes:
-            raise ValueError(f"world_size={req.world_size}: profile={req.profile} has links for {sizes}")
-        return req.world_size
     fit = [p for p in sizes if p > 0 and num_experts % p == 0]
+    asked = req.world_sizes or ((req.world_size,) if req.world_size else ())
+    field = "world_sizes" if req.world_sizes else "world_size"
+    for P in asked:
+        if P not in sizes:
+            raise ValueError(f"{field}={','.join(map(str, asked))}: profile={req.profile} covers world sizes {sizes}"
+                             f" (not {P}); allowed values for this model: {fit}")
+        if num_experts % P:
+            raise ValueError(f"{field}={','.join(map(str, asked))}: {P} does not divide the model's {num_experts} "
+                             f"experts; allowed values on profile={req.profile}: {fit}")
+    if asked:
+        return sorted(set(asked))
     if not fit:
         raise ValueError(f"profile={req.profile} covers world sizes {sizes}; "
                          f"none divides model's {num_experts} experts")
-    return max(fit)
+    return [max(fit)]
+
+
+def world_size_of(req: Request, num_experts: int) -> int:
+    """The largest world of :func:`world_sizes_of` (the one world when a single P is asked)."""
+    return max(world_sizes_of(req, num_experts))
 
 
 def routing_overrides(req: Request, model) -> list:
@@ -159,93 +182,170 @@ def point_overrides(strategy: str, place_dir: Path, profile: str) -> list:
     return [f"system={system}", *option]
 
 
-def run_point(overrides: list, folder: Path) -> None:
-    """One ``python run.py`` point into ``folder`` (the harness's entry point, in its own
-    process: the advisor reads result tables and starts no ranks itself); a failure is a
-    one-line ``ValueError`` with the run's last line."""
-    proc = subprocess.run([sys.executable, "run.py", *overrides, f"hydra.run.dir={folder}", "report=none"], cwd=ROOT,
-                          capture_output=True, text=True)
-    if proc.returncode:
-        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise ValueError(f"python run.py {' '.join(overrides)}: {last}")
+SWEEP_NAME = "advise_points"     # the generated experiment of the advisor's points (in <out>/conf)
+
+
+def node_of(profile: str, P: int) -> int:
+    """``cluster.devices_per_node`` of a world of P ranks on the profile: its node size when the
+    world spans several nodes, else 0 (one node)."""
+    link = load_profile(profile).at(P)
+    return link.devices_per_node if link.devices_per_node and link.devices_per_node < P else 0
+
+
+def sweep_params(req: Request, sizes: list, out: Path) -> dict:
+    """The grids of the advisor's one multirun (:mod:`hydra_plugins.occult_sweepers.grids_sweeper`):
+    per P a ``task=place`` grid for ``occult_placed`` and one simulate grid per strategy, each
+    point into ``<out>/p<P>/<strategy>`` (``place``), resumed when already there."""
+    model = read_conf("model", req.model)
+    params = {"model": req.model, "task.sample_layers": str(req.sample_layers), "experiment_name": "advise",
+              "resume": "true"}
+    for o in routing_overrides(req, model):
+        key, _, value = o.partition("=")
+        params[key] = value
+    for P in sizes:
+        world = {"cluster.world_size": str(P), "cluster.devices_per_node": str(node_of(req.profile, P))}
+        if "occult_placed" in req.systems:
+            grid = {"task": "place", **world, "task.total_tokens": str(PROFILE_TOKENS // P * P),
+                    "task.time_limit_s": str(PLACE_TIME_LIMIT_S), "hydra.sweep.subdir": f"p{P}/place"}
+            params.update({f"p{P}_place/{k}": v for k, v in grid.items()})
+        for i, s in enumerate(req.systems):
+            grid = {"task": "simulate", **world, "task.tokens_per_rank": str(req.tokens_per_rank),
+                    "task.backward": "true" if req.phase == "train" else "false", "task.peer_rows": "false",
+                    "label": req.phase, "hydra.sweep.subdir": f"p{P}/{s}"}
+            for o in point_overrides(s, out / f"p{P}" / "place", req.profile):
+                key, _, value = o.partition("=")
+                grid[key] = value
+            params.update({f"p{P}_s{i}/{k}": v for k, v in grid.items()})
+    return params
+
+
+def write_sweep(req: Request, sizes: list, out: Path) -> Path:
+    """``<out>/conf/experiment/advise_points.yaml``: the points of :func:`sweep_params` as an
+    experiment (a multirun in ``out``, no report); returns its config folder."""
+    conf = out / "conf"
+    (conf / "experiment").mkdir(parents=True, exist_ok=True)
+    exp = {"experiment_name": "advise", "report": "",
+           "hydra": {"mode": "MULTIRUN", "sweep": {"dir": str(out)}, "sweeper": {"params": sweep_params(req, sizes, out)}}}
+    (conf / "experiment" / f"{SWEEP_NAME}.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(exp))
+    return conf
+
+
+def progress_line(line: str) -> Optional[str]:
+    """The runner's ``[point i/N] <overrides> (...)`` log line as ``[point i/N] P=.. strategy (...)``."""
+    m = re.search(r"\[point (\d+/\d+)\] (\S+) (\(.*\))", line)
+    if not m:
+        return None
+    kv = dict(o.partition("=")[::2] for o in m.group(2).split(","))
+    what = "place" if kv.get("task") == "place" else strategy_of(kv.get("system", "?"), kv.get("system.dedup", ""))
+    return f"  [point {m.group(1)}] P={kv.get('cluster.world_size', '?')} {what} {m.group(3)}"
+
+
+def run_points(req: Request, sizes: list, out: Path) -> None:
+    """The place and simulate points in one ``python run.py`` multirun (the harness's entry
+    point, in its own process: the advisor reads result tables and starts no ranks itself),
+    a progress line per point on stderr; a failure is a one-line ``ValueError`` with its cause."""
+    conf = write_sweep(req, sizes, out)
+    cmd = [sys.executable, "run.py", f"hydra.searchpath=[file://{conf}]", f"experiment={SWEEP_NAME}",
+           "~hydra.callbacks.sweep_report"]     # the advisor prints its own table
+    t0 = time.perf_counter()
+    failed, last = [], "(no output)"
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            shown = progress_line(line)
+            if shown:
+                print(shown, file=sys.stderr, flush=True)
+            if "point failed (" in line:
+                failed.append(line.split("point failed (", 1)[1].rsplit(");", 1)[0])
+            if line.strip():
+                last = line.strip()
+    if proc.returncode or failed:
+        raise ValueError(f"python run.py experiment={SWEEP_NAME} ({conf}): "
+                         + (f"{len(failed)} point(s) failed, the first: {failed[0]}" if failed else last))
+    print(f"  {len(sizes)} world size(s) x {len(req.systems)} strategies simulated in "
+          f"{time.perf_counter() - t0:.0f} s (one process; points already in {out} resumed)", file=sys.stderr)
 
 
 def simulate(req: Request, out: Path) -> pd.DataFrame:
     """Runs the place and simulate points (resuming any already written into ``out``) and
     returns their rows."""
     model = read_conf("model", req.model)
-    P = world_size_of(req, int(model.num_experts))
-    link = load_profile(req.profile).at(P)
-    node = link.devices_per_node if link.devices_per_node and link.devices_per_node < P else 0
-    base = [f"model={req.model}", f"cluster.world_size={P}", f"cluster.devices_per_node={node}",
-            f"task.sample_layers={req.sample_layers}", "experiment_name=advise", "resume=true",
-            *routing_overrides(req, model)]
-    if "occult_placed" in req.systems:
-        run_point(["task=place", *base, f"task.total_tokens={PROFILE_TOKENS // P * P}",
-                   f"task.time_limit_s={PLACE_TIME_LIMIT_S}"], out / "place")
-    for s in req.systems:
-        t0 = time.perf_counter()
-        run_point(["task=simulate", *base, f"task.tokens_per_rank={req.tokens_per_rank}",
-                   *point_overrides(s, out / "place", req.profile),
-                   f"task.backward={'true' if req.phase == 'train' else 'false'}",
-                   "task.peer_rows=false", f"label={req.phase}"], out / s)
-        print(f"  simulated {s} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    return load_runs([out / s for s in req.systems])
-
-
-def memory_GB(model, P: int, element_bytes: int, received_max_rows: float) -> float:
-    """Per GPU: expert weights of the MoE layers (E / P experts) plus the largest dispatch buffer."""
-    layers = int(model.num_layers) - int(model.first_k_dense)
-    weights = model.num_experts / P * 3 * model.hidden_size * model.expert_ffn_size * layers
-    return (weights + received_max_rows * model.hidden_size) * element_bytes / 1e9
+    sizes = world_sizes_of(req, int(model.num_experts))
+    run_points(req, sizes, out)
+    return load_runs([out / f"p{P}" / s for P in sizes for s in req.systems])
 
 
 def ranked(df: pd.DataFrame, req: Request) -> pd.DataFrame:
-    """The ranked table: projected ms per MoE layer (collectives + experts), its ratio to the
-    best, bytes and messages per rank per layer, memory per GPU."""
+    """The ranked table, a row per (strategy, P): ``rank`` by projected ms per MoE layer
+    (collectives + experts), its ratio to the best; the MoE layers' time per step and their
+    tokens per second per GPU (``per_GPU_rank``; :func:`analysis.figures.scale_study.per_gpu`),
+    ``within_bound`` (``latency_ms``), memory per GPU and ``fits``, bytes and messages per rank
+    per layer."""
     profile = load_profile(req.profile)
-    model = read_conf("model", req.model)
-    sim = df[df.task == "simulate"]
-    points = point_table(sim).set_index("run_id")
-    tot = projected_totals(project_runs(sim, profile)).set_index("run_id")
-    element = profile.element_bytes
-    rows = []
-    for run_id, run in sim.groupby("run_id"):
-        got = run[(run.metric == "received_rows") & run.phase.str.startswith("dispatch")
-                  & ~run.phase.str.endswith(("_meta", "_index")) & (run["rank"] >= 0) & (run["pass"] == "forward")]
-        peak = got.groupby(["layer", "rank"]).value.sum().max() if not got.empty else 0.0
-        p = points.loc[run_id]
-        a2a, experts = float(tot.loc[run_id].a2a_ms_per_layer), float(tot.loc[run_id].experts_ms_per_layer)
-        rows.append({"strategy": strategy_of(run.system.iloc[0], run.dedup.iloc[0]),
-                     "moe_layer_ms": a2a + experts, "a2a_ms": a2a, "experts_ms": experts,
-                     "intra_MB_per_rank": p.intra_MB_per_rank, "inter_MB_per_rank": p.inter_MB_per_rank,
-                     "messages_per_rank": p.messages_per_rank, "ct_all": p.ct_all,
-                     "memory_GB_per_GPU": memory_GB(model, int(p.world_size), element, peak)})
-    table = pd.DataFrame(rows).sort_values("moe_layer_ms").reset_index(drop=True)
+    sim = df[(df.task == "simulate") & (df.clock == "simulated")]
+    gpu = per_gpu(point_table(sim), projected(sim, [req.profile]), req.latency_ms)
+    table = gpu.sort_values(["moe_layer_ms", "world_size"]).reset_index(drop=True)
     table.insert(0, "rank", np.arange(1, len(table) + 1))
+    table["per_GPU_rank"] = table.tokens_per_s_per_GPU.rank(ascending=False, method="min").astype(int)
     table["vs_best"] = table.moe_layer_ms / table.moe_layer_ms.min()
-    if profile.memory_GB:
-        table["fits"] = np.where(table.memory_GB_per_GPU <= profile.memory_GB, "yes", "no")
-    return table
+    table["within_bound"] = np.where(table.within_bound, "yes", "no")
+    table["fits"] = np.where(table.fits, "yes", "no") if profile.memory_GB else "not stated"
+    return table[["rank", "strategy", "world_size", "moe_layer_ms", "a2a_ms", "experts_ms", "vs_best", "step_ms",
+                  "tokens_per_s_per_GPU", "per_GPU_rank", "within_bound", "memory_GB_per_GPU", "fits",
+                  "intra_MB_per_rank", "inter_MB_per_rank", "messages_per_rank", "ct_all"]]
+
+
+def best_text(table: pd.DataFrame, req: Request) -> list:
+    """The answer: the best (strategy, P) per GPU among the rows within the bound that fit (the
+    most MoE tokens per second per GPU), or why none qualifies; and the best strategy at each P."""
+    bound = f"{req.latency_ms:g} ms" if req.latency_ms else "none given"
+    ok = table[(table.within_bound == "yes") & (table.fits != "no")]
+    head = f"Best per GPU (latency bound on the MoE layers per step: {bound}; memory per GPU <= the profile's): "
+    if ok.empty:
+        g = table.assign(within_bound=table.within_bound == "yes", fits=table.fits != "no",
+                         bound_ms=req.latency_ms or np.nan)
+        out = [head + "none qualifies: " + why_none(g) + "."]
+    else:
+        b = ok.sort_values("tokens_per_s_per_GPU", ascending=False).iloc[0]
+        out = [head + f"**{b.strategy} at P = {int(b.world_size)}**: {b.tokens_per_s_per_GPU:,.0f} MoE tokens/s per "
+               f"GPU, {b.step_ms:.3g} ms of MoE layers per step ({b.moe_layer_ms:.3g} ms x {req_layers(req)} MoE "
+               f"layers), {b.memory_GB_per_GPU:.3g} GB per GPU."]
+    per_p = table.sort_values("moe_layer_ms").groupby("world_size", sort=True).first()
+    if len(per_p) > 1:
+        out.append("Best at each P: " + "; ".join(
+            f"P = {int(P)}: {r.strategy} ({r.step_ms:.3g} ms per step, {r.tokens_per_s_per_GPU:,.0f} tokens/s per "
+            f"GPU, {r.memory_GB_per_GPU:.3g} GB{'' if r.fits != 'no' else ', does not fit'}"
+            f"{'' if r.within_bound == 'yes' else ', over the bound'})" for P, r in per_p.iterrows()) + ".")
+    return out
+
+
+def req_layers(req: Request) -> int:
+    """The advised model's MoE layers."""
+    return moe_layers(read_conf("model", req.model))
 
 
 def rests_on(req: Request, df: pd.DataFrame) -> list:
     """What the numbers rest on: where bytes, links and compute come from."""
     profile = load_profile(req.profile)
-    first = df[df.task == "simulate"].iloc[0]
+    sim = df[df.task == "simulate"]
+    first = sim.iloc[0]
     flags = df[df.metric == "resampled_tokens"].value
     resampled = bool(flags.max()) if not flags.empty else False
     src = {"router": "the routers of the model (or its trained proxy) on held-out text",
            "trace": f"the routing trace {req.trace}", "uniform": "synthetic uniform routing",
            "zipf": "synthetic Zipf routing"}.get(str(first.routing), str(first.routing))
     layers = sorted(int(x) for x in df[df.metric == "ct_all"].layer.unique())
+    worlds = " and ".join(map(str, sorted(int(p) for p in sim.world_size.unique())))
     return [f"bytes, rows, messages, C_T: simulated (task=simulate, the systems' traffic plans, clock=simulated) "
-            f"for {int(first.world_size)} ranks x {int(first.tokens_per_rank)} tokens on {src}"
+            f"for {worlds} ranks x {int(first.tokens_per_rank)} tokens on {src}"
             f"{' (resampled with replacement)' if resampled else ''}, MoE layers {layers}",
             f"times: projected by the cost model on profile {profile.name} ({profile.source})"
             + ("; its links are measured (a calibration)" if profile.calibration else ""),
             "experts: the busiest rank's rows at balanced load (tokens per rank x K); memory: expert weights of "
-            "every MoE layer plus the largest dispatch buffer, per GPU"]
+            "every MoE layer plus the largest dispatch buffer, per GPU",
+            f"per step: MoE-layer ms x the model's {req_layers(req)} MoE layers; attention and dense layers are not "
+            "modelled (the per-step bound and the tokens/s per GPU are the MoE layers' alone); with tokens per rank "
+            "fixed, tokens/s per GPU orders the rows as the MoE-layer time does: the bound and the memory fit decide "
+            "which qualify"]
 
 
 def advise(req: Request) -> tuple[pd.DataFrame, list]:
@@ -265,6 +365,9 @@ def main(argv=None) -> None:
         sys.exit(f"error: {exc}")
     print(f"## {req.model} on {req.profile}, phase={req.phase}, {req.tokens_per_rank} tokens per rank\n")
     print(table.to_markdown(index=False, floatfmt=".4g"))
+    print()
+    for line in best_text(table, req):
+        print(line)
     print("\nRests on:")
     for n in notes:
         print(f"- {n}")
