@@ -128,13 +128,19 @@ POINT_KEYS = ["model", "workload", "devices_per_node", "world_size"]
 
 
 def study_table(df: pd.DataFrame, profiles, proj: pd.DataFrame = None) -> pd.DataFrame:
-    """:func:`point_table` with each profile's projected MoE-layer ms (``<profile> ms``) and its
-    ratio to naive EP's at the same model, workload, layout and P (``proj``: :func:`projected`'s
-    table, when the caller has it)."""
+    """:func:`point_table` with each profile's projected times (:func:`with_projection`;
+    ``proj``: :func:`projected`'s table, when the caller has it)."""
     table = point_table(df)
     if table.empty:
         return table
-    proj = projected(df, profiles) if proj is None else proj
+    return with_projection(table, projected(df, profiles) if proj is None else proj, profiles)
+
+
+def with_projection(table: pd.DataFrame, proj: pd.DataFrame, profiles) -> pd.DataFrame:
+    """Points (:func:`point_table`) with each profile's projected MoE-layer ms (``<profile> ms``,
+    NaN where the profile does not price the point), its collectives' ms and its ratio to naive
+    EP's at the same model, workload, layout and P (:data:`POINT_KEYS`)."""
+    table = table.copy()
     for name in profiles:
         sel = proj[proj.profile == name] if not proj.empty else proj
         col = f"{name} ms"
@@ -523,13 +529,14 @@ def build(df: pd.DataFrame, out_dir, profiles=DEFAULT_PROFILES, latency_ms=None)
     sim = df[(df.task == "simulate") & (df.clock == "simulated")]
     if sim.empty:
         return [Section(title, ["Not drawn: no task=simulate runs."])]
+    points = point_table(sim)
     proj = projected(sim, profiles)
-    table = study_table(sim, profiles, proj)
+    table = with_projection(points, proj, profiles)
     out_dir = Path(out_dir)
     write_table(table, out_dir, "scale_study")
     cross = crossovers(table, profiles)
     write_table(cross, out_dir, "scale_study_crossovers")
-    gpu = per_gpu(table.drop(columns=[c for c in table if c.startswith("sim_")]), proj, latency_ms)
+    gpu = per_gpu(points, proj, latency_ms)
     best = best_per_gpu(gpu) if not gpu.empty else pd.DataFrame()
     dom = domain_table(table, profiles)
     figs = []
