@@ -1,31 +1,45 @@
-"""Which strategy moves least and finishes first, at my model, my cluster and my batch?
+"""Which strategy moves least and finishes first, and on how many GPUs, at my model, my cluster and my batch?
 
     python -m analysis.advise model=deepseek_v3 profile=sim_h200_nodes phase=decode tokens_per_rank=128
+    python -m analysis.advise model=deepseek_v3 profile=sim_h200_nodes phase=decode tokens_per_rank=128 \\
+        world_sizes=32,64,128,256 latency_ms=50
     python -m analysis.advise model=olmoe_proxy profile=sim_cpu_loopback world_size=4 phase=prefill \\
         tokens_per_rank=512 trace=runs/strategies/<a run with task.save_routing=true>
 
 For each candidate strategy (``systems=``, default :func:`candidates`: every registered
-system the query :data:`CANDIDATE_QUERY` selects from the capability records) the advisor simulates
-the model's MoE layers on ``world_size`` ranks in the profile's nodes (``task=simulate``: the
-systems' own traffic plans, every rank, one process; ``occult_placed`` after ``task=place``
-made its placement from a profiling set), writes those runs under ``out=`` (default
-``runs/advise/<stamp>``), prices them on the profile with the cost model
-(:mod:`analysis.projection`) and prints them ranked by projected MoE-layer time, with each
-strategy's bytes, messages and memory per GPU beside it, and what every number rests on.
+system the query :data:`CANDIDATE_QUERY` selects from the capability records) and each world
+size P the advisor simulates the model's MoE layers on P ranks in the profile's nodes
+(``task=simulate``: the systems' own traffic plans, every rank, one process; ``occult_placed``
+after ``task=place`` made its placement from a profiling set), all points in one ``python
+run.py`` multirun (a generated experiment in ``out=``, default ``runs/advise/<stamp>``; a
+progress line per point on stderr; rerunning into the same ``out`` resumes), prices them on the
+profile with the cost model (:mod:`analysis.projection`) and prints one row per (strategy, P)
+ranked by projected MoE-layer time, with the MoE layers' time per step, their tokens per second
+per GPU, whether the step is within the bound, each point's bytes, messages and memory per GPU
+beside it, then the best (strategy, P) per GPU, the best strategy at each P, and what every
+number rests on.
 
 Arguments (``key=value``): ``model`` (conf/model), ``profile`` (conf/profile or a YAML path),
 ``phase`` (decode | prefill | train: train also plans the backward), ``tokens_per_rank``,
-``world_size`` (default: the largest world size of the profile that divides the model's
-experts), ``trace`` (a run folder with ``routing.parquet``: replay that routing), ``routing``
-(router | uniform | zipf; default: ``router`` through the model's own routers or a trained
-proxy of the same E and K (``<model>_proxy``), else ``uniform``), ``sample_layers``
+``world_sizes`` (comma-separated P, each one the profile covers and that divides the model's
+experts) or ``world_size`` (one P; not both; default: the largest world size of the profile
+that divides the experts), ``latency_ms`` (a bound on the MoE layers' projected time per step;
+default none), ``trace`` (a run folder with ``routing.parquet``: replay that routing),
+``routing`` (router | uniform | zipf; default: ``router`` through the model's own routers or a
+trained proxy of the same E and K (``<model>_proxy``), else ``uniform``), ``sample_layers``
 (default 3), ``systems`` (comma-separated strategies; hierarchical as ``hierarchical_node`` /
 ``hierarchical_device``), ``out``. A system with a ``profile`` option (a cost rule that
 decides its schedule: shadowing, the pipeline degree) decides with the advised profile.
 
-Memory per GPU: the MoE layers' expert weights a rank holds (E / P experts x 3 D F elements x
-MoE layers) plus its largest dispatch buffer (received rows x D elements); attention, dense
-layers and caches are the same for every strategy and not counted. Shapes: P ranks.
+Per step: the MoE layers' time, projected MoE-layer ms x the model's MoE layers; attention and
+dense layers are not modelled. Tokens per second per GPU: tokens per rank / that time (with
+tokens per rank fixed it orders the rows as the time does; the bound and the memory fit decide
+which qualify). The best per GPU: the most tokens per second per GPU among the rows within the
+bound that fit (or why none qualifies). Memory per GPU
+(:func:`analysis.figures.scale_study.memory_GB`, the scale study's): the MoE layers' expert
+weights a rank holds (E / P experts x 3 D F elements x MoE layers) plus its largest dispatch
+buffer (received rows x D elements); attention, dense layers and caches are the same for every
+strategy and not counted. Shapes: P ranks.
 """
 from __future__ import annotations
 
