@@ -1,20 +1,32 @@
 """The field at deployed scale (``python run.py experiment=scale_study``; ``report: scale_study``),
 from result tables only.
 
-Every point is a ``task=simulate`` run (``clock=simulated``): a world of P ranks in nodes of 8
+Every point is a ``task=simulate`` run (``clock=simulated``): a world of P ranks in nodes
 that is never started, every rank's traffic plan added up. :func:`point_table` gives one row
 per point: bytes per rank to the other ranks of its node and to other nodes, messages per
 rank (peers sent a non-empty block) in all and across nodes, the dispatch's received rows
 max / mean over ranks (every dispatch stage's rows a rank receives: a hierarchical
 forwarder's too), C_T, all per MoE layer (mean over the sampled layers) and forward
 (the study plans no backward). :func:`projected` prices every point's collectives and its
-experts on each profile of ``profiles`` (nodes of 8 x H100, 8 x H200: ``conf/profile``) with
+experts on each profile of ``profiles`` (e.g. nodes of 8 x H100, 8 x H200, a GB200 NVL72
+rack: ``conf/profile``) with
 the cost model (:mod:`analysis.projection`, labelled projected): per MoE layer, the
 collectives' time and the experts' (busiest rank's rows: tokens per rank x K, the
 balanced-load assumption of the cost model). :func:`crossovers` reads where the answer
 changes: per model, workload and profile, the best strategy at each P, the smallest P at
 which hierarchical (its better dedup) is faster than Occult, and the largest P at which
 all-gather is faster than naive EP.
+
+A point is a model, a workload, a node layout (``devices_per_node``: the ranks of a node, P when
+the world is one node, :func:`node_size`) and P: two layouts at one P (nodes of 8, one NVLink
+domain) are two points, and a profile prices only the points of its own layout
+(:func:`analysis.projection.same_nodes`); ``vs naive`` compares within one layout.
+:func:`per_gpu` and :func:`best_per_gpu` give, per model, workload and profile, the (P,
+strategy) with the most MoE tokens per second per GPU under a per-workload bound on the MoE
+layers' time per step (report option ``latency_ms``) among the points whose memory per GPU
+(:func:`memory_GB`, also the advisor's) fits. :func:`agreement_text` says why two profiles
+whose collectives are priced alike agree and where they do not, read from their fields
+(:func:`field_roles`) and the points; :func:`domain_table` puts the layouts side by side.
 
 Points are named by ``strategy``: the system, hierarchical with its dedup
 (``hierarchical_node``, ``hierarchical_device``); workloads by the run's label
@@ -193,7 +205,8 @@ def crossovers(table: pd.DataFrame, profiles) -> pd.DataFrame:
             ag, naive = (wide.get(s, pd.Series(np.nan, index=wide.index)) for s in ("allgather", "naive"))
             pays = [int(p) for p in ps if ag[p] < naive[p]]
             out.append({"model": model, "workload": workload, "profile": name,
-                        "layout": layout_text(mine[["world_size", "devices_per_node"]].drop_duplicates().to_numpy()),
+                        "layout": layout_text(mine[["world_size", "devices_per_node"]].drop_duplicates().to_numpy())
+                        if "devices_per_node" in mine else "",
                         "best by P": ", ".join(f"{p}: {best[p]}" for p in ps),
                         "hierarchical beats occult from P": _first(ps, (hier < occ).tolist()),
                         "allgather beats naive up to P": max(pays) if pays else "never"})
