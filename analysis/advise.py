@@ -206,26 +206,33 @@ def node_of(profile: str, P: int) -> int:
     return link.devices_per_node if link.devices_per_node and link.devices_per_node < P else 0
 
 
-def sweep_params(req: Request, sizes: list, out: Path) -> dict:
-    """The grids of the advisor's one multirun (:mod:`hydra_plugins.occult_sweepers.grids_sweeper`):
-    per P a ``task=place`` grid for ``occult_placed`` and one simulate grid per strategy, each
-    point into ``<out>/p<P>/<strategy>`` (``place``), resumed when already there."""
+def point_dir(out: Path, P: int, strategy: str, peer_rows: bool = False) -> Path:
+    """Where a point of the advisor's sweep lands (``+peer_rows``: its rerun with peer pairs)."""
+    return out / f"p{P}" / (f"{strategy}+peer_rows" if peer_rows else strategy)
+
+
+def sweep_params(req: Request, points: list, out: Path, peer_rows: bool = False) -> dict:
+    """The grids of one multirun of the advisor (:mod:`hydra_plugins.occult_sweepers.grids_sweeper`):
+    per P a ``task=place`` grid when ``occult_placed`` is among its points, and one simulate grid
+    per (P, strategy) of ``points``, into :func:`point_dir` (resumed when already there).
+    ``peer_rows``: the points write a row per peer pair (else per-rank totals only)."""
     model = read_conf("model", req.model)
     params = {"model": req.model, "task.sample_layers": str(req.sample_layers), "experiment_name": "advise",
               "resume": "true"}
     for o in routing_overrides(req, model):
         key, _, value = o.partition("=")
         params[key] = value
-    for P in sizes:
+    for P in sorted({P for P, _ in points}):
         world = {"cluster.world_size": str(P), "cluster.devices_per_node": str(node_of(req.profile, P))}
-        if "occult_placed" in req.systems:
+        if (P, "occult_placed") in points:
             grid = {"task": "place", **world, "task.total_tokens": str(PROFILE_TOKENS // P * P),
                     "task.time_limit_s": str(PLACE_TIME_LIMIT_S), "hydra.sweep.subdir": f"p{P}/place"}
             params.update({f"p{P}_place/{k}": v for k, v in grid.items()})
-        for i, s in enumerate(req.systems):
+        for i, s in enumerate(s for q, s in points if q == P):
             grid = {"task": "simulate", **world, "task.tokens_per_rank": str(req.tokens_per_rank),
-                    "task.backward": "true" if req.phase == "train" else "false", "task.peer_rows": "false",
-                    "label": req.phase, "hydra.sweep.subdir": f"p{P}/{s}"}
+                    "task.backward": "true" if req.phase == "train" else "false",
+                    "task.peer_rows": "true" if peer_rows else "false", "label": req.phase,
+                    "hydra.sweep.subdir": str(point_dir(out, P, s, peer_rows).relative_to(out))}
             for o in point_overrides(s, out / f"p{P}" / "place", req.profile):
                 key, _, value = o.partition("=")
                 grid[key] = value
@@ -233,13 +240,14 @@ def sweep_params(req: Request, sizes: list, out: Path) -> dict:
     return params
 
 
-def write_sweep(req: Request, sizes: list, out: Path) -> Path:
+def write_sweep(req: Request, points: list, out: Path, peer_rows: bool = False) -> Path:
     """``<out>/conf/experiment/advise_points.yaml``: the points of :func:`sweep_params` as an
     experiment (a multirun in ``out``, no report); returns its config folder."""
     conf = out / "conf"
     (conf / "experiment").mkdir(parents=True, exist_ok=True)
-    exp = {"experiment_name": "advise", "report": "",
-           "hydra": {"mode": "MULTIRUN", "sweep": {"dir": str(out)}, "sweeper": {"params": sweep_params(req, sizes, out)}}}
+    sweep = {"mode": "MULTIRUN", "sweep": {"dir": str(out)},
+             "sweeper": {"params": sweep_params(req, points, out, peer_rows)}}
+    exp = {"experiment_name": "advise", "report": "", "hydra": sweep}
     (conf / "experiment" / f"{SWEEP_NAME}.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(exp))
     return conf
 
@@ -254,11 +262,11 @@ def progress_line(line: str) -> Optional[str]:
     return f"  [point {m.group(1)}] P={kv.get('cluster.world_size', '?')} {what} {m.group(3)}"
 
 
-def run_points(req: Request, sizes: list, out: Path) -> None:
+def run_points(req: Request, points: list, out: Path, peer_rows: bool = False) -> None:
     """The place and simulate points in one ``python run.py`` multirun (the harness's entry
     point, in its own process: the advisor reads result tables and starts no ranks itself),
     a progress line per point on stderr; a failure is a one-line ``ValueError`` with its cause."""
-    conf = write_sweep(req, sizes, out)
+    conf = write_sweep(req, points, out, peer_rows)
     cmd = [sys.executable, "run.py", f"hydra.searchpath=[file://{conf}]", f"experiment={SWEEP_NAME}",
            "~hydra.callbacks.sweep_report"]     # the advisor prints its own table
     t0 = time.perf_counter()
@@ -275,17 +283,28 @@ def run_points(req: Request, sizes: list, out: Path) -> None:
     if proc.returncode or failed:
         raise ValueError(f"python run.py experiment={SWEEP_NAME} ({conf}): "
                          + (f"{len(failed)} point(s) failed, the first: {failed[0]}" if failed else last))
-    print(f"  {len(sizes)} world size(s) x {len(req.systems)} strategies simulated in "
+    print(f"  {len(points)} (P, strategy) point(s){' with peer pairs' if peer_rows else ''} simulated in "
           f"{time.perf_counter() - t0:.0f} s (one process; points already in {out} resumed)", file=sys.stderr)
 
 
+# collectives the cost model prices from their peer pairs only (analysis.projection: a rooted
+# collective, e.g. shadow's weight broadcasts): a point with one is simulated again with peer pairs
+ROOTED_CALLS = ("broadcast_calls", "reduce_calls")
+
+
 def simulate(req: Request, out: Path) -> pd.DataFrame:
-    """Runs the place and simulate points (resuming any already written into ``out``) and
-    returns their rows."""
+    """Runs the place and simulate points (resuming any already written into ``out``), the
+    points with a rooted collective again with peer pairs, and returns their rows."""
     model = read_conf("model", req.model)
-    sizes = world_sizes_of(req, int(model.num_experts))
-    run_points(req, sizes, out)
-    return load_runs([out / f"p{P}" / s for P in sizes for s in req.systems])
+    points = [(P, s) for P in world_sizes_of(req, int(model.num_experts)) for s in req.systems]
+    run_points(req, points, out)
+    df = load_runs([point_dir(out, P, s) for P, s in points])
+    rooted = df[df.metric.isin(ROOTED_CALLS) & (df.task == "simulate")][["world_size", "system", "dedup"]]
+    again = sorted({(int(P), strategy_of(system, dedup)) for P, system, dedup in rooted.itertuples(index=False)})
+    if not again:
+        return df
+    run_points(req, again, out, peer_rows=True)
+    return load_runs([point_dir(out, P, s, (P, s) in again) for P, s in points])
 
 
 def ranked(df: pd.DataFrame, req: Request) -> pd.DataFrame:

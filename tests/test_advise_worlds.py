@@ -170,11 +170,14 @@ def test_a_world_the_profile_lacks_or_that_does_not_divide_the_experts_is_refuse
 def test_the_advisors_points_are_one_sweep_with_each_worlds_layout(tmp_path):
     req = Request(model="deepseek_v3", profile="sim_h200_nodes", routing="uniform", world_sizes=(8, 32),
                   systems=("naive", "hierarchical_node", "occult_placed"))
-    params = sweep_params(req, [8, 32], tmp_path)
+    params = sweep_params(req, [(P, s) for P in (8, 32) for s in req.systems], tmp_path)
     assert params["p8_s0/cluster.devices_per_node"] == "0" and params["p32_s0/cluster.devices_per_node"] == "8"
     assert params["p32_s1/hydra.sweep.subdir"] == "p32/hierarchical_node" and params["p32_s1/system.dedup"] == "node"
-    assert params["p32_place/task"] == "place"
+    assert params["p32_place/task"] == "place" and params["p32_s0/task.peer_rows"] == "false"
     assert params["p32_s2/system.placement_file"] == str(tmp_path / "p32" / "place" / "placements.json")
+    again = sweep_params(req, [(32, "naive")], tmp_path, peer_rows=True)
+    assert again["p32_s0/task.peer_rows"] == "true" and again["p32_s0/hydra.sweep.subdir"] == "p32/naive+peer_rows"
+    assert "p32_place/task" not in again and "p8_s0/task" not in again
     line = ("[2026-12-05][occult][INFO] - [point 3/9] +workload=decode,cluster.world_size=32,system.dedup=node,"
             "system=hierarchical,task=simulate (2 done, about 20 s left)")
     assert progress_line(line) == "  [point 3/9] P=32 hierarchical_node (2 done, about 20 s left)"
