@@ -578,7 +578,7 @@ def build(df: pd.DataFrame, out_dir, profiles=DEFAULT_PROFILES, latency_ms=None)
         write_table(best, out_dir, "scale_study_per_gpu")
         text.append(per_gpu_text(best, latency_ms))
         tables.append(("scale_study_per_gpu", best))
-        data.append(("scale_study_per_gpu_points", gpu.drop(columns=["run_id"])))
+        gpu.drop(columns=["run_id"]).to_csv(out_dir / "scale_study_per_gpu_points.csv", index=False)   # no figure
         for a, b in pairs_priced_alike(profiles):
             text.append(f"**Why `{a}` and `{b}` agree, and where they do not** (from the profiles' fields and these "
                         "points):")
