@@ -323,15 +323,7 @@ def routing_key(cfg) -> str:
 def cached_routing(cfg, compute) -> dict:
     """``compute()`` (``{layer: (ids_NK, weights_NK, logits_NE)}``), read from
     ``runs/cache/routing/<key>.pt`` when a run with the same :func:`routing_key` wrote it."""
-    path = ROUTING_CACHE / f"{cfg.model.name}_{routing_key(cfg)}.pt"
-    if path.is_file():
-        return torch.load(path, map_location="cpu")
-    layers = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(layers, tmp)
-    tmp.replace(path)                    # atomic: a concurrent run reads a whole file or none
-    return layers
+    return _cached(ROUTING_CACHE / f"{cfg.model.name}_{routing_key(cfg)}.pt", compute)
 
 
 def _route_held_out(cfg) -> dict:
@@ -352,7 +344,51 @@ def _route_held_out(cfg) -> dict:
 def synthetic_source(cfg, salt: int = 0) -> dict:
     """``task.synthetic_tokens`` synthetic tokens per sampled layer, drawn once (seeded by the
     layer and ``salt``): ``{layer: (ids_NK, weights_NK, logits_NE)}``, the Gumbel keys as
-    the logits (see :func:`rank_routing`)."""
+    the logits (see :func:`rank_routing`). Cached on disk (:func:`cached_synthetic`): every
+    point of a sweep over systems and world sizes draws the same tokens, and the draw (N x E
+    keys, a softmax and a top-k per layer) was most of a small point's time."""
+    return cached_synthetic(cfg, salt, lambda: _draw_synthetic(cfg, salt))
+
+
+# bump when _draw_synthetic draws differently: cached draws of older versions are then not read
+SYNTHETIC_VERSION = 1
+
+
+def synthetic_key(cfg, salt: int) -> str:
+    """What a synthetic draw depends on: the model's E, K and gate normalisation, the
+    popularity (``task.routing``, ``task.zipf_s``), the tokens, the sampled layers, the seed,
+    the salt, torch's version (its generator) and :data:`SYNTHETIC_VERSION`."""
+    import hashlib
+    import json
+
+    m, t = cfg.model, cfg.task
+    key = {"num_experts": m.num_experts, "top_k": m.top_k, "norm_topk_prob": m.norm_topk_prob,
+           "routing": t.routing, "zipf_s": t.zipf_s if t.routing == "zipf" else None,
+           "tokens": t.synthetic_tokens, "layers": task_layers(m, t.sample_layers), "seed": cfg.seed, "salt": salt,
+           "torch": torch.__version__, "version": SYNTHETIC_VERSION}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def cached_synthetic(cfg, salt: int, compute) -> dict:
+    """``compute()`` (a synthetic draw), read from ``runs/cache/routing/synthetic_<key>.pt``
+    when a run with the same :func:`synthetic_key` wrote it."""
+    return _cached(ROUTING_CACHE / f"synthetic_{synthetic_key(cfg, salt)}.pt", compute)
+
+
+def _cached(path: Path, compute) -> dict:
+    """``compute()``'s tensors, saved at ``path`` (atomically) or read from it."""
+    if path.is_file():
+        return torch.load(path, map_location="cpu")
+    layers = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(layers, tmp)
+    tmp.replace(path)                    # atomic: a concurrent run reads a whole file or none
+    return layers
+
+
+def _draw_synthetic(cfg, salt: int) -> dict:
+    """:func:`synthetic_source`'s draw."""
     m, t = cfg.model, cfg.task
     popularity_E = expert_popularity(t.routing, m.num_experts, t.zipf_s)
     out = {}
