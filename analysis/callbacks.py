@@ -26,7 +26,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("occult")
-SAMPLE_EVERY_S = 0.25
+SAMPLE_EVERY_S = 0.5
 
 
 def _rss_bytes(pid: int) -> int:
@@ -38,23 +38,25 @@ def _rss_bytes(pid: int) -> int:
         return 0
 
 
+def _children(pid: int) -> list:
+    """The child processes of ``pid`` (``/proc/<pid>/task/<tid>/children``; [] when gone)."""
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except (OSError, ValueError):
+        pass
+    return out
+
+
 def tree_rss_bytes(root: int) -> int:
     """Resident bytes of process ``root`` and every process under it (Linux ``/proc``)."""
-    children: dict = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
     total, todo = 0, [root]
     while todo:
         pid = todo.pop()
         total += _rss_bytes(pid)
-        todo += children.get(pid, [])
+        todo += _children(pid)
     return total
 
 

@@ -192,7 +192,7 @@ def cost_section(paths) -> list[Section]:
         return []
     return [Section("Cost of the sweep", lines + [
         "Peak memory: the resident memory of the sweep's process and every process under it (the points' "
-        "ranks, their fork server), summed, sampled every 0.25 s (`analysis.callbacks.TreeMemory`). Times are "
+        "ranks, their fork server), summed, sampled every 0.5 s (`analysis.callbacks.TreeMemory`). Times are "
         "wall times on this machine, with whatever else ran on it."])]
 
 
