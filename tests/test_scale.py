@@ -275,3 +275,22 @@ def test_the_report_states_what_the_sweep_cost(tmp_path):
     assert "The points took 10.0 min" in text and "peak memory 1.50 GB" in text
     assert "The report at the sweep's end took 2.0 min, peak memory 3.25 GB" in text
     assert cost_section([tmp_path / "none"]) == []
+
+
+def test_a_checkpoint_digest_is_remembered_until_a_file_changes(tmp_path, monkeypatch):
+    import hashlib
+    import os
+
+    from occult.tasks import world
+    monkeypatch.setattr(world, "ROUTING_CACHE", tmp_path / "cache")
+    ckpt = tmp_path / "proxy"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    (ckpt / "config.json").write_bytes(b"{}")
+    direct = lambda: hashlib.sha256(b"config.json{}model.safetensors" + (ckpt / "model.safetensors").read_bytes())
+    assert world.checkpoint_digest(ckpt) == direct().hexdigest()
+    assert (tmp_path / "cache" / "digests.json").is_file()
+    assert world.checkpoint_digest(ckpt) == direct().hexdigest()           # remembered
+    (ckpt / "model.safetensors").write_bytes(b"other weights")
+    os.utime(ckpt / "model.safetensors", ns=(1, 1))
+    assert world.checkpoint_digest(ckpt) == direct().hexdigest()           # changed: hashed again
