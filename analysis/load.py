@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Iterable, Union
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from occult.config import setting_columns
 from occult.records import LATER_COLUMNS, RESULTS_FILE
@@ -56,44 +59,39 @@ def find_results(paths: Union[str, Path, Iterable]) -> list[Path]:
 
 
 def load_runs(paths) -> pd.DataFrame:
-    """One long DataFrame over all runs found, with a ``run_dir`` column."""
+    """One long DataFrame over all runs found, with a ``run_dir`` column; the columns of
+    :data:`CATEGORICAL` as categoricals (categories sorted). Read as Arrow tables, each
+    label column dictionary-encoded per file (the strings are never one big column), joined
+    once (:func:`results_table`)."""
     files = find_results(paths)
     if not files:
         raise FileNotFoundError(f"load_runs: no {RESULTS_FILE} under {paths}")
-    frames = []
-    for f in files:
-        df = pd.read_parquet(f)
-        for column, default in LATER_COLUMNS.items():     # tables written before the column existed
-            if column not in df:
-                df[column] = default
-        df = settings_as_columns(df)
-        df["run_dir"] = str(f.parent)
-        frames.append(as_categories(df))
-    return pd.concat(same_categories(frames), ignore_index=True)
-
-
-def as_categories(df: pd.DataFrame) -> pd.DataFrame:
-    """``df`` with its string columns of :data:`CATEGORICAL` as categoricals."""
-    for c in CATEGORICAL:
-        if c in df and not isinstance(df[c].dtype, pd.CategoricalDtype) and pd.api.types.is_string_dtype(df[c]):
-            df[c] = df[c].astype("category")
+    tables = [results_table(f) for f in files]
+    df = pa.concat_tables(tables, promote_options="permissive").unify_dictionaries().to_pandas()
+    for c in df.columns:
+        if isinstance(df[c].dtype, pd.CategoricalDtype):
+            df[c] = df[c].cat.set_categories(sorted(df[c].cat.categories))
     return df
 
 
-def same_categories(frames: list) -> list:
-    """``frames`` with each categorical column on one sorted set of categories, the union of
-    theirs (pandas concatenates categoricals that differ in their categories as strings)."""
-    union: dict = {}
-    for f in frames:
-        for c in f.columns:
-            if isinstance(f[c].dtype, pd.CategoricalDtype):
-                union.setdefault(c, set()).update(f[c].cat.categories)
-    ordered = {c: sorted(values) for c, values in union.items()}
-    for f in frames:
-        for c, categories in ordered.items():
-            if c in f and isinstance(f[c].dtype, pd.CategoricalDtype):
-                f[c] = f[c].cat.set_categories(categories)
-    return frames
+def results_table(f: Path) -> pa.Table:
+    """One results file as an Arrow table of today's columns (a table written before a column
+    existed gets it: :data:`occult.records.LATER_COLUMNS`, :func:`settings_as_columns`), with
+    ``run_dir`` and the string columns of :data:`CATEGORICAL` dictionary-encoded."""
+    t = pq.read_table(f)
+    names = set(t.column_names)
+    if not (set(LATER_COLUMNS) <= names and set(setting_columns()) <= names):     # an older table
+        df = t.to_pandas()
+        for column, default in LATER_COLUMNS.items():
+            if column not in df:
+                df[column] = default
+        t = pa.Table.from_pandas(settings_as_columns(df), preserve_index=False)
+    t = t.append_column("run_dir", pa.array([str(f.parent)] * t.num_rows, pa.string()))
+    for i, name in enumerate(t.column_names):
+        if name in CATEGORICAL and pa.types.is_string(t.schema.field(name).type) or \
+                name in CATEGORICAL and pa.types.is_large_string(t.schema.field(name).type):
+            t = t.set_column(i, name, pc.dictionary_encode(t.column(i)))
+    return t
 
 
 def settings_as_columns(df: pd.DataFrame) -> pd.DataFrame:

@@ -122,6 +122,8 @@ def before_sweep(points, compose, sweep_dir) -> list:
             log.debug("before the sweep: %s did not compose (%s)", point, exc)
     done = []
     if not todo:
+        log.info("before the sweep: every trained proxy its points load is cached (%d point(s) composed to "
+                 "check)", len(first))
         return done
     expected = [expected_minutes(s) for s in todo.values()]
     log.warning("before the sweep: %d proxy checkpoint(s) its points load are not cached and are pre-trained now, "
