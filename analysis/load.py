@@ -67,7 +67,7 @@ def load_runs(paths) -> pd.DataFrame:
     if not files:
         raise FileNotFoundError(f"load_runs: no {RESULTS_FILE} under {paths}")
     tables = [results_table(f) for f in files]
-    df = pa.concat_tables(tables, promote_options="permissive").unify_dictionaries().to_pandas()
+    df = pa.concat_tables(tables, promote_options="permissive").unify_dictionaries().to_pandas(integer_object_nulls=True)
     for c in df.columns:
         if isinstance(df[c].dtype, pd.CategoricalDtype):
             df[c] = df[c].cat.set_categories(sorted(df[c].cat.categories))
