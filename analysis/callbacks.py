@@ -11,7 +11,9 @@ wall time (from the sweep's start to its last point: Hydra's composition of ever
 included, any pre-training before the points not: :func:`occult.runner.before_sweep` records
 that apart) and the report's, each with its peak memory: the resident memory of this process
 and every process under it (the points' ranks, their fork server), summed, sampled every
-:data:`SAMPLE_EVERY_S` seconds (:class:`TreeMemory`). The whole command's wall time and
+:data:`SAMPLE_EVERY_S` seconds (:class:`TreeMemory`), and their CPU seconds (user and system,
+the same processes': on a machine whose cores are shared, the part of the wall time that
+was this sweep's own work). The whole command's wall time and
 largest process (``/usr/bin/time -v``) are :mod:`analysis.results`'s to record.
 """
 from __future__ import annotations
@@ -60,12 +62,34 @@ def tree_rss_bytes(root: int) -> int:
     return total
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds of process ``pid``: user and system, its own and its reaped children's."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds of process ``root`` and every process under it, those that ended included
+    where their parent reaped them (a rank: its fork server; a fork server: this process)."""
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += _cpu_seconds(pid)
+        todo += _children(pid)
+    return total
+
+
 class TreeMemory:
     """The peak of :func:`tree_rss_bytes` of this process, sampled every ``every_s`` seconds
     in a thread between ``start()`` and ``stop()`` (bytes; -1 without ``/proc``)."""
 
     def __init__(self, every_s: float = SAMPLE_EVERY_S):
         self.every_s, self.peak = every_s, -1
+        self.cpu_s = 0.0                 # CPU seconds of the tree between start() and stop()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="tree-memory")
 
@@ -77,6 +101,7 @@ class TreeMemory:
 
     def start(self) -> "TreeMemory":
         if Path("/proc/self/statm").is_file():
+            self.cpu_s = -tree_cpu_seconds(os.getpid())
             self._thread.start()
         return self
 
@@ -85,6 +110,7 @@ class TreeMemory:
             self._stop.set()
             self._thread.join()
             self.peak = max(self.peak, tree_rss_bytes(os.getpid()))
+            self.cpu_s = round(self.cpu_s + tree_cpu_seconds(os.getpid()), 1)
         return self.peak
 
 
@@ -108,7 +134,8 @@ class SweepReport(Callback):
         if self.started is not None:
             t0, memory = self.started
             setup = sum(s["seconds"] for s in _setup(sweep_dir / SWEEP_COST_FILE))
-            cost = {"points_s": round(time.perf_counter() - t0 - setup, 1), "points_peak_rss": memory.stop()}
+            cost = {"points_s": round(time.perf_counter() - t0 - setup, 1), "points_peak_rss": memory.stop(),
+                    "points_cpu_s": memory.cpu_s}
             self.started = None
         if not any(sweep_dir.rglob("results.parquet")):
             return
@@ -117,7 +144,8 @@ class SweepReport(Callback):
         options = OmegaConf.to_container(knobs, resolve=True) if knobs is not None else {}
         t0, memory = time.perf_counter(), TreeMemory().start()
         path = write_report([sweep_dir], sweep_dir, builders=config.get("report", ""), options=options)
-        cost.update(report_s=round(time.perf_counter() - t0, 1), report_peak_rss=memory.stop())
+        cost.update(report_s=round(time.perf_counter() - t0, 1), report_peak_rss=memory.stop(),
+                    report_cpu_s=memory.cpu_s)
         record_sweep_cost(sweep_dir, **cost)
         log.info("report: %s (%.0f s, peak %.2f GB)", path, cost["report_s"], cost["report_peak_rss"] / 1e9)
 

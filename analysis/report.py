@@ -183,17 +183,24 @@ def cost_section(paths) -> list[Section]:
                      "proxy the points load was cached).")
         if "points_s" in cost:
             parts.append(f"The points took {cost['points_s'] / 60:.1f} min (from the sweep's start to its last point, "
-                         f"composing every point's config included), peak memory {gb('points_peak_rss')}.")
+                         f"composing every point's config included; {_cpu(cost, 'points_cpu_s')}), peak memory "
+                         f"{gb('points_peak_rss')}.")
         if "report_s" in cost:
-            parts.append(f"The report at the sweep's end took {cost['report_s'] / 60:.1f} min, peak memory "
-                         f"{gb('report_peak_rss')}.")
+            parts.append(f"The report at the sweep's end took {cost['report_s'] / 60:.1f} min "
+                         f"({_cpu(cost, 'report_cpu_s')}), peak memory {gb('report_peak_rss')}.")
         lines.append(" ".join(parts))
     if not lines:
         return []
     return [Section("Cost of the sweep", lines + [
         "Peak memory: the resident memory of the sweep's process and every process under it (the points' "
         "ranks, their fork server), summed, sampled every 0.5 s (`analysis.callbacks.TreeMemory`). Times are "
-        "wall times on this machine, with whatever else ran on it."])]
+        "wall times on this machine, with whatever else ran on it; CPU: user and system seconds of the same "
+        "processes, the sweep's own work however busy the cores were."])]
+
+
+def _cpu(cost: dict, key: str) -> str:
+    """``N min of CPU`` from a ``sweep_cost.json`` field ("CPU not recorded" without it)."""
+    return f"{cost[key] / 60:.1f} min of CPU" if key in cost else "CPU not recorded"
 
 
 def report_title(df: pd.DataFrame) -> str:

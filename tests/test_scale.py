@@ -269,11 +269,18 @@ def test_the_report_states_what_the_sweep_cost(tmp_path):
     from analysis.report import cost_section
     (tmp_path / "sweep_cost.json").write_text(json.dumps(
         {"setup": [{"what": "pre-trained x_proxy (x_proxy-1)", "seconds": 90.0}], "points_s": 600.0,
-         "points_peak_rss": 1.5e9, "report_s": 120.0, "report_peak_rss": 3.25e9}))
+         "points_peak_rss": 1.5e9, "points_cpu_s": 300.0, "report_s": 120.0, "report_peak_rss": 3.25e9}))
     text = " ".join(cost_section([tmp_path])[0].text)
     assert "pre-trained x_proxy (x_proxy-1) in 1.5 min (not in the points' time)" in text
-    assert "The points took 10.0 min" in text and "peak memory 1.50 GB" in text
-    assert "The report at the sweep's end took 2.0 min, peak memory 3.25 GB" in text
+    assert "The points took 10.0 min" in text and "5.0 min of CPU), peak memory 1.50 GB" in text
+    assert "The report at the sweep's end took 2.0 min (CPU not recorded), peak memory 3.25 GB" in text
+    from analysis.callbacks import TreeMemory
+    import time
+    memory = TreeMemory(every_s=0.01).start()
+    busy = time.process_time() + 0.2
+    while time.process_time() < busy:
+        pass
+    assert memory.stop() > 0 and memory.cpu_s >= 0.15
     assert cost_section([tmp_path / "none"]) == []
 
 
