@@ -36,10 +36,11 @@ SETTING_ROWS = {"microbatches": ("microbatches", int),
 SETTING_OPTIONS = ("a2a_ffn_overlap_degree", "budget", "dedup", "dispatch_mode", "topk_group")
 # string columns loaded as categoricals: labels the readers compare, group by and print, never
 # edit or join into new strings (see the module docstring); not run_id, every reader's key, whose
-# per-run tables pandas 3.1 cannot align when the two categorical indexes' codes differ in width
+# per-run tables pandas 3.1 cannot align when the two categorical indexes' codes differ in width,
+# nor time, whose latest value readers take (max: an order a categorical does not have)
 CATEGORICAL = ("experiment", "impl", "system_options", "init", "task", "cluster", "dtype", "routing",
                "trace_sha256", "config_hash", "dedup", "dispatch_mode", "grad_sync", "placement", "phase", "pass",
-               "metric", "unit", "git_commit", "torch_version", "device", "hostname", "time", "clock", "launcher",
+               "metric", "unit", "git_commit", "torch_version", "device", "hostname", "clock", "launcher",
                "run_dir")
 
 
