@@ -6,7 +6,9 @@ publishes each again; then writes docs/results/index.md.
     python -m analysis.results --index              # only rewrite index.md from the log
     python -m analysis.results --list               # what would run, and what is done
 
-Per experiment: ``python run.py experiment=NAME`` into ``runs/NAME`` (timed here), then
+Per experiment: ``python run.py experiment=NAME`` into ``runs/NAME`` (timed here, and under
+``/usr/bin/time -v`` where GNU time is installed: its wall time and peak resident memory go
+into the published file's header and the index), then
 ``python -m analysis.report runs/NAME --publish docs/results``, then its entry in the log
 (``docs/results/results_log.json``: command, wall time, commit, clean tree, figures, the
 headline numbers' samples) and index.md. An experiment is done when the log has it at a
