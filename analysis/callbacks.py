@@ -137,6 +137,8 @@ class SweepReport(Callback):
             cost = {"points_s": round(time.perf_counter() - t0 - setup, 1), "points_peak_rss": memory.stop(),
                     "points_cpu_s": memory.cpu_s}
             self.started = None
+        if cost:                 # before the report, which states it (its own cost: in the published copy)
+            record_sweep_cost(sweep_dir, **cost)
         if not any(sweep_dir.rglob("results.parquet")):
             return
         from .report import write_report
@@ -144,8 +146,8 @@ class SweepReport(Callback):
         options = OmegaConf.to_container(knobs, resolve=True) if knobs is not None else {}
         t0, memory = time.perf_counter(), TreeMemory().start()
         path = write_report([sweep_dir], sweep_dir, builders=config.get("report", ""), options=options)
-        cost.update(report_s=round(time.perf_counter() - t0, 1), report_peak_rss=memory.stop(),
-                    report_cpu_s=memory.cpu_s)
+        cost = {"report_s": round(time.perf_counter() - t0, 1), "report_peak_rss": memory.stop(),
+                "report_cpu_s": memory.cpu_s}
         record_sweep_cost(sweep_dir, **cost)
         log.info("report: %s (%.0f s, peak %.2f GB)", path, cost["report_s"], cost["report_peak_rss"] / 1e9)
 

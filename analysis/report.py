@@ -178,15 +178,15 @@ def cost_section(paths) -> list[Section]:
         gb = lambda key: f"{cost[key] / 1e9:.2f} GB" if cost.get(key, -1) >= 0 else "not measured"
         parts = [f"`{path.parent.name}`:"]
         setup = cost.get("setup", [])
-        parts.append("before the points, " + "; ".join(f"{s['what']} in {s['seconds'] / 60:.1f} min" for s in setup)
+        parts.append("before the points, " + "; ".join(f"{s['what']} in {_duration(s['seconds'])}" for s in setup)
                      + " (not in the points' time)." if setup else "nothing to set up before the points (every "
                      "proxy the points load was cached).")
         if "points_s" in cost:
-            parts.append(f"The points took {cost['points_s'] / 60:.1f} min (from the sweep's start to its last point, "
+            parts.append(f"The points took {_duration(cost['points_s'])} (from the sweep's start to its last point, "
                          f"composing every point's config included; {_cpu(cost, 'points_cpu_s')}), peak memory "
                          f"{gb('points_peak_rss')}.")
         if "report_s" in cost:
-            parts.append(f"The report at the sweep's end took {cost['report_s'] / 60:.1f} min "
+            parts.append(f"The report at the sweep's end took {_duration(cost['report_s'])} "
                          f"({_cpu(cost, 'report_cpu_s')}), peak memory {gb('report_peak_rss')}.")
         lines.append(" ".join(parts))
     if not lines:
@@ -200,7 +200,12 @@ def cost_section(paths) -> list[Section]:
 
 def _cpu(cost: dict, key: str) -> str:
     """``N min of CPU`` from a ``sweep_cost.json`` field ("CPU not recorded" without it)."""
-    return f"{cost[key] / 60:.1f} min of CPU" if key in cost else "CPU not recorded"
+    return f"{_duration(cost[key])} of CPU" if key in cost else "CPU not recorded"
+
+
+def _duration(seconds: float) -> str:
+    """``42 s`` under a minute, else ``N.N min``."""
+    return f"{seconds:.0f} s" if seconds < 60 else f"{seconds / 60:.1f} min"
 
 
 def report_title(df: pd.DataFrame) -> str:
