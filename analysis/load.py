@@ -67,8 +67,10 @@ def load_runs(paths) -> pd.DataFrame:
     files = find_results(paths)
     if not files:
         raise FileNotFoundError(f"load_runs: no {RESULTS_FILE} under {paths}")
-    tables = [results_table(f) for f in files]
-    df = pa.concat_tables(tables, promote_options="permissive").unify_dictionaries().to_pandas(integer_object_nulls=True)
+    table = pa.concat_tables([results_table(f) for f in files], promote_options="permissive").unify_dictionaries()
+    # the Arrow buffers freed column by column as pandas takes them: not both copies at once
+    df = table.to_pandas(integer_object_nulls=True, self_destruct=True, split_blocks=True)
+    del table
     for c in df.columns:
         if isinstance(df[c].dtype, pd.CategoricalDtype):
             df[c] = df[c].cat.set_categories(sorted(df[c].cat.categories))
