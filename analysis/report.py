@@ -10,8 +10,9 @@ Written automatically at the end of every multirun (into the sweep folder, by
 demand, ``--figures`` names them; without it they are those of the runs' experiments (the
 ``experiment`` column, read from ``conf/experiment``). Only result tables are read.
 
-Sections: an overview of every run (one row per run; task=layer phase times) and each
-builder's figures and tables. Projected values carry ``source = projected`` and are
+Sections: an overview of every run (one row per run; task=layer phase times), what the sweep
+cost where its folder records it (:func:`cost_section`: ``sweep_cost.json``, written by the
+sweep's callbacks) and each builder's figures and tables. Projected values carry ``source = projected`` and are
 hatched or dashed in the figures.
 
 ``--publish DIR`` also writes ``DIR/<experiment>.md`` (:mod:`analysis.publish`): the
@@ -154,11 +155,57 @@ def write_report(paths, out_dir, builders=None, options=None, publish_dir=None, 
     out.mkdir(parents=True, exist_ok=True)
     df = load_runs(paths)
     sections = report_sections(df, out, builders, options)
+    sections[1:1] = cost_section(paths)
     path = render(sections, out, report_title(df))
     if publish_dir is not None:
         from .publish import publish
         print(publish(df, sections, out, publish_dir, command))
     return path
+
+
+def cost_section(paths) -> list[Section]:
+    """What the sweeps under ``paths`` cost, from their ``sweep_cost.json``
+    (:data:`occult.runner.SWEEP_COST_FILE`): set-up before the points (pre-training), the
+    points and the sweep's report, each with its wall time and peak memory; [] where no
+    folder records it."""
+    import json
+
+    from occult.runner import SWEEP_COST_FILE
+    found = [Path(p) / SWEEP_COST_FILE for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    lines = []
+    for path in (p for p in found if p.is_file()):
+        cost = json.loads(path.read_text())
+        gb = lambda key: f"{cost[key] / 1e9:.2f} GB" if cost.get(key, -1) >= 0 else "not measured"
+        parts = [f"`{path.parent.name}`:"]
+        setup = cost.get("setup", [])
+        parts.append("before the points, " + "; ".join(f"{s['what']} in {_duration(s['seconds'])}" for s in setup)
+                     + " (not in the points' time)." if setup else "nothing to set up before the points (every "
+                     "proxy the points load was cached).")
+        if "points_s" in cost:
+            parts.append(f"The points took {_duration(cost['points_s'])} (from the sweep's start to its last point, "
+                         f"composing every point's config included; {_cpu(cost, 'points_cpu_s')}), peak memory "
+                         f"{gb('points_peak_rss')}.")
+        if "report_s" in cost:
+            parts.append(f"The report at the sweep's end took {_duration(cost['report_s'])} "
+                         f"({_cpu(cost, 'report_cpu_s')}), peak memory {gb('report_peak_rss')}.")
+        lines.append(" ".join(parts))
+    if not lines:
+        return []
+    return [Section("Cost of the sweep", lines + [
+        "Peak memory: the resident memory of the sweep's process and every process under it (the points' "
+        "ranks, their fork server), summed, sampled every 0.5 s (`analysis.callbacks.TreeMemory`). Times are "
+        "wall times on this machine, with whatever else ran on it; CPU: user and system seconds of the same "
+        "processes, the sweep's own work however busy the cores were."])]
+
+
+def _cpu(cost: dict, key: str) -> str:
+    """``N min of CPU`` from a ``sweep_cost.json`` field ("CPU not recorded" without it)."""
+    return f"{_duration(cost[key])} of CPU" if key in cost else "CPU not recorded"
+
+
+def _duration(seconds: float) -> str:
+    """``42 s`` under a minute, else ``N.N min``."""
+    return f"{seconds:.0f} s" if seconds < 60 else f"{seconds / 60:.1f} min"
 
 
 def report_title(df: pd.DataFrame) -> str:

@@ -6,7 +6,9 @@ publishes each again; then writes docs/results/index.md.
     python -m analysis.results --index              # only rewrite index.md from the log
     python -m analysis.results --list               # what would run, and what is done
 
-Per experiment: ``python run.py experiment=NAME`` into ``runs/NAME`` (timed here), then
+Per experiment: ``python run.py experiment=NAME`` into ``runs/NAME`` (timed here, and under
+``/usr/bin/time -v`` where GNU time is installed: its wall time and peak resident memory go
+into the published file's header and the index), then
 ``python -m analysis.report runs/NAME --publish docs/results``, then its entry in the log
 (``docs/results/results_log.json``: command, wall time, commit, clean tree, figures, the
 headline numbers' samples) and index.md. An experiment is done when the log has it at a
@@ -120,6 +122,48 @@ def fresh_folder(folder: Path, commit: str) -> str:
 
 
 LOAD_EVERY_S = 15.0
+# GNU time: the whole command's wall time and its largest process's peak resident memory
+TIME_V = Path("/usr/bin/time")
+TIME_V_FIELDS = {"Elapsed (wall clock) time (h:mm:ss or m:ss)": "elapsed_s", "Maximum resident set size (kbytes)": "max_rss_kb"}
+
+
+def timed_command(cmd: list[str], out: Path) -> list[str]:
+    """``cmd`` under ``/usr/bin/time -v -o out`` where GNU time is installed, else ``cmd``."""
+    return [str(TIME_V), "-v", "-o", str(out), *cmd] if TIME_V.is_file() else cmd
+
+
+def read_time_v(path: Path) -> dict | None:
+    """``{"elapsed_s", "max_rss_kb"}`` from a ``/usr/bin/time -v`` report (None without one)."""
+    if not path.is_file():
+        return None
+    got = {}
+    for line in path.read_text().splitlines():
+        name, _, value = line.strip().rpartition(": ")
+        if name in TIME_V_FIELDS:
+            if TIME_V_FIELDS[name] == "elapsed_s":
+                parts = [float(x) for x in value.split(":")]
+                got["elapsed_s"] = round(sum(p * 60 ** i for i, p in enumerate(reversed(parts))), 2)
+            else:
+                got["max_rss_kb"] = int(value)
+    return got if len(got) == len(TIME_V_FIELDS) else None
+
+
+def time_v_words(t: dict | None) -> str:
+    """``23.1 min, 2.31 GB`` from :func:`read_time_v`'s fields ("not measured" without them)."""
+    return f"{t['elapsed_s'] / 60:.1f} min, {t['max_rss_kb'] * 1024 / 1e9:.2f} GB" if t else "not measured"
+
+
+def stamp_time_v(published_md: Path, name: str, t: dict | None) -> None:
+    """Adds the whole command's ``/usr/bin/time -v`` figures to the published file's header
+    table, after its ``measured by`` row."""
+    if not t or not published_md.is_file():
+        return
+    lines = published_md.read_text().splitlines()
+    row = (f"| measured with `/usr/bin/time -v` | `python run.py experiment={name}`: {time_v_words(t)} peak resident "
+           "memory (wall clock; largest single process: the sweep's, whose report runs in it, or a point's rank) |")
+    at = next((i for i, ln in enumerate(lines) if ln.startswith("| measured by |")), None)
+    if at is not None:
+        published_md.write_text("\n".join(lines[:at + 1] + [row] + lines[at + 1:]) + "\n")
 
 
 class LoadSampler:
@@ -172,15 +216,20 @@ def figures_of(name: str) -> list[str]:
     return sorted(p.relative_to(DOCS).as_posix() for p in (DOCS / name).glob("*.png")) if (DOCS / name).is_dir() else []
 
 
-def run_sweep(name: str, folder: Path, r: int, prefix: str, commit: str) -> tuple[float, dict] | None:
-    """Runs ``python run.py experiment=NAME`` into ``folder`` (run ``r`` of its reruns); its
-    wall seconds and the machine's load meanwhile (:class:`LoadSampler`), or None when it failed."""
+def run_sweep(name: str, folder: Path, r: int, prefix: str, commit: str) -> tuple[float, dict, dict | None] | None:
+    """Runs ``python run.py experiment=NAME`` into ``folder`` (run ``r`` of its reruns), under
+    ``/usr/bin/time -v`` where installed (:func:`timed_command`); its wall seconds, the
+    machine's load meanwhile (:class:`LoadSampler`) and the ``/usr/bin/time -v`` figures
+    (:func:`read_time_v`), or None when it failed."""
     state = fresh_folder(folder, commit)
     cmd = [sys.executable, "run.py", f"experiment={name}"]
     if r > 1:
         cmd.append(f"hydra.sweep.dir=runs/{folder.name}")
     load = LoadSampler()
-    rc, wall = run_logged(cmd, RUNS / f"{folder.name}.results.log", f"{prefix} run {r}/{reruns_of(name)}:", load)
+    time_v = RUNS / f"{folder.name}.time_v.txt"
+    time_v.unlink(missing_ok=True)
+    rc, wall = run_logged(timed_command(cmd, time_v), RUNS / f"{folder.name}.results.log",
+                          f"{prefix} run {r}/{reruns_of(name)}:", load)
     spent = folder / ".results_wall"          # every attempt's seconds at this code (a resumed sweep's too)
     total = wall + (float(spent.read_text()) if spent.exists() else 0.0)
     spent.write_text(f"{total:.1f}\n")
@@ -190,7 +239,9 @@ def run_sweep(name: str, folder: Path, r: int, prefix: str, commit: str) -> tupl
         print(f"{prefix} FAILED: see runs/{folder.name}.results.log; the other experiments go on", flush=True)
         return None
     print(f"{prefix} load average (1 min) during the run: {_load_words(load.summary())}", flush=True)
-    return total, load.summary()
+    timing = read_time_v(time_v)
+    print(f"{prefix} /usr/bin/time -v: {time_v_words(timing)}", flush=True)
+    return total, load.summary(), timing
 
 
 def _load_words(load: dict | None) -> str:
@@ -211,16 +262,17 @@ def run_one(name: str, i: int, n: int, clean: bool, log: dict) -> bool:
         ran = run_sweep(name, folders[0], 1, prefix, commit)
         if ran is None:
             return False
-        wall, load = ran
+        wall, load, timing = ran
         command = f"python -m analysis.report runs/{name} --publish docs/results"
         rc, _ = run_logged([sys.executable, "-m", "analysis.report", f"runs/{name}", "--publish", "docs/results"],
                            RUNS / f"{name}.results.log", f"{prefix} publish:")
         if rc != 0:
             print(f"{prefix} FAILED to publish: see runs/{name}.results.log", flush=True)
             return False
+        stamp_time_v(DOCS / f"{name}.md", name, timing)
         log[name] = {"command": f"python run.py experiment={name}", "published_by": command, "commit": commit,
                      "clean": clean, "dirty_files": [] if clean else dirty_files(), "wall_s": round(wall, 1),
-                     "rerun_wall_s": [], "load_1min": load, "rerun_load_1min": [], "finished": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                     "rerun_wall_s": [], "load_1min": load, "time_v": timing, "rerun_load_1min": [], "finished": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                      "figures": figures_of(name)}
         log_headlines(log, name, folders[:1])
         print(f"{prefix} published docs/results/{name}.md ({wall / 60:.1f} min)", flush=True)
@@ -273,16 +325,17 @@ def write_index(log: dict) -> Path:
              "resumed sweep's attempts summed), pre-training of any proxy not yet cached included. Load: the "
              "machine's 1-minute load average sampled every 15 s during the sweep, min / median / max (2 cores; the "
              "sweep's own ranks count: a P = 4 world alone reads about 4; far above that, other jobs shared the "
-             "cores and its times are slower and noisier).", "",
-             "| experiment | command | wall time here | load | figures | commit | tree | finished |",
-             "|---|---|---|---|---|---|---|---|"]
+             "cores and its times are slower and noisier). `/usr/bin/time -v`: the command's wall time and peak "
+             "resident memory of its largest process, as GNU time measured them (the last attempt only).", "",
+             "| experiment | command | wall time here | load | `/usr/bin/time -v` | figures | commit | tree | finished |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name in published():
         e = log.get(name)
         if not e:
             continue
         figs = ", ".join(f"[{Path(f).stem}]({f})" for f in e["figures"]) or "none"
         lines.append(f"| [{name}]({name}.md) | `{e['command']}` | {e['wall_s'] / 60:.1f} min | "
-                     f"{_load_words(e.get('load_1min'))} | {figs} | "
+                     f"{_load_words(e.get('load_1min'))} | {time_v_words(e.get('time_v'))} | {figs} | "
                      f"{e['commit']} | {'clean' if e['clean'] else 'DIRTY: ' + ', '.join(e['dirty_files'])} | "
                      f"{e['finished']} |")
     stale = sorted(p.name for p in DOCS.glob("*.md") if any(m in p.read_text() for m in HAND_COPY_MARKS)

@@ -1,6 +1,8 @@
 """What ``run.py`` does with a composed config: validate -> launch ranks -> gather rows -> write.
 
-Also what a sweep needs around each point: progress (points done of all, the point
+Also what a sweep needs before its points (:func:`before_sweep`: the trained proxies its points
+load that are not cached yet, announced with their expected time and pre-trained first, their
+time recorded apart from the points' in ``sweep_cost.json``) and around each point: progress (points done of all, the point
 running, the time left), resume (a point is skipped only when its folder holds results
 of the same composed config; a folder with another config's results fails with the keys
 that differ), and :class:`SweepSummary`, the Hydra callback that closes a multirun by
@@ -42,6 +44,13 @@ SETUP_DONE: list = []
 NOTED: set = set()
 # the number of points of the running sweep (set by the sweeper, read for progress lines)
 SWEEP_POINTS_ENV = "OCCULT_SWEEP_POINTS"
+# a sweep folder's record of what it cost: set-up before the points (pre-training), the points,
+# the report (analysis.callbacks.SweepReport writes the last two)
+SWEEP_COST_FILE = "sweep_cost.json"
+# override keys whose values decide which checkpoint a point's preparation loads (the model, its
+# pre-training, the seed, the task and its routing source); points that differ only in other
+# keys (system, cluster, workload, ...) load the same checkpoints
+CHECKPOINT_KEYS = ("model", "pretrain", "seed", "task", "task.routers", "task.routing")
 
 
 def build_spec(cfg: DictConfig, out_dir, digest: str) -> RunSpec:
@@ -57,6 +66,88 @@ def build_spec(cfg: DictConfig, out_dir, digest: str) -> RunSpec:
                    out_dir=str(out_dir), run_digest=digest, seed=cfg.seed, experiment_name=cfg.experiment_name,
                    label=cfg.label,
                    routers_model=OmegaConf.to_object(read_conf("model", routers)) if routers else None)
+
+
+def checkpoint_specs(spec: RunSpec) -> list:
+    """The specs whose model's checkpoint the point's preparation loads: the model of
+    ``task.routers`` where the task routes with another model's routers, else the run's own;
+    none for a task without a ``prepare`` or one whose routing source is not a router
+    (synthetic routing, a trace)."""
+    t = spec.task
+    if not t.prepare or getattr(t, "routing", "router") != "router":
+        return []
+    if t.routers_model_name():
+        from .tasks.world import routers_spec
+        return [routers_spec(spec)]
+    return [spec]
+
+
+def untrained_proxies(spec: RunSpec) -> list:
+    """Of :func:`checkpoint_specs`, those of a trained proxy (``model.proxy``, ``init=trained``,
+    no ``model.path``) whose checkpoint is not cached: what the point's preparation would
+    pre-train (:func:`occult.tasks.model.prepare`)."""
+    from .tasks.pretrain import is_trained
+    return [s for s in checkpoint_specs(spec)
+            if s.model.proxy and s.model.init == "trained" and not s.model.path and not is_trained(s)]
+
+
+def checkpoint_identity(point) -> tuple:
+    """The overrides of a sweep point (``key=value`` strings) in :data:`CHECKPOINT_KEYS`
+    (or under ``model.`` / ``pretrain.``)."""
+    def key(o: str) -> str:
+        return o.split("=", 1)[0].lstrip("+~")
+    return tuple(sorted(o for o in point if key(o) in CHECKPOINT_KEYS or key(o).split(".")[0] in ("model", "pretrain")))
+
+
+def before_sweep(points, compose, sweep_dir) -> list:
+    """Before a sweep's first point: composes one point per :func:`checkpoint_identity`
+    (``compose(overrides)``: the point's config), finds the trained proxies they load that are
+    not cached (:func:`untrained_proxies`), announces them all with their expected time and
+    pre-trains them, each timed; the times go into ``<sweep_dir>/sweep_cost.json``
+    (``setup``), apart from the points'. Returns ``[{"what", "seconds"}]``. A point that does
+    not compose is left to fail at its turn."""
+    from .tasks.pretrain import announce, ensure_trained, expected_minutes, proxy_dir
+
+    todo: dict = {}
+    first = {}
+    for point in points:
+        first.setdefault(checkpoint_identity(point), point)
+    for point in first.values():
+        try:
+            cfg = compose(list(point))
+            spec = build_spec(cfg, "", "")
+            for s in untrained_proxies(spec):
+                todo.setdefault(proxy_dir(s).name, s)
+        except Exception as exc:  # noqa: BLE001 - the point reports its own error when it runs
+            log.debug("before the sweep: %s did not compose (%s)", point, exc)
+    done = []
+    if not todo:
+        log.info("before the sweep: every trained proxy its points load is cached (%d point(s) composed to "
+                 "check)", len(first))
+        return done
+    expected = [expected_minutes(s) for s in todo.values()]
+    log.warning("before the sweep: %d proxy checkpoint(s) its points load are not cached and are pre-trained now, "
+                "apart from the points: %s", len(todo), "; ".join(
+                    f"{s.model.name} ({'about %.0f min' % m if m is not None else 'time unknown'})"
+                    for s, m in zip(todo.values(), expected)))
+    for name, s in todo.items():
+        log.warning(announce(s))
+        t0 = time.perf_counter()
+        ensure_trained(s)
+        done.append({"what": f"pre-trained {s.model.name} ({name})", "seconds": round(time.perf_counter() - t0, 1)})
+        log.warning("before the sweep: %s in %s", done[-1]["what"], _minutes(done[-1]["seconds"]))
+    record_sweep_cost(sweep_dir, setup=done)
+    return done
+
+
+def record_sweep_cost(sweep_dir, **parts) -> Path:
+    """Adds ``parts`` to ``<sweep_dir>/sweep_cost.json`` (:data:`SWEEP_COST_FILE`)."""
+    import json
+    path = Path(sweep_dir) / SWEEP_COST_FILE
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**old, **parts}, indent=1) + "\n")
+    return path
 
 
 def run_context(spec: RunSpec) -> dict:

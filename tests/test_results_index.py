@@ -44,11 +44,11 @@ def test_index_lists_the_log_and_the_headlines(tmp_path, monkeypatch):
     log = {"table1_ct_runtime": {
         "command": "python run.py experiment=table1_ct_runtime", "commit": "abc", "clean": True, "dirty_files": [],
         "wall_s": 60.0, "finished": "2026-12-05 04:00 UTC", "figures": ["table1_ct_runtime/table1_ct_runtime.png"],
-        "load_1min": {"min": 1.5, "median": 3.25, "max": 9.0, "n": 4},
+        "load_1min": {"min": 1.5, "median": 3.25, "max": 9.0, "n": 4}, "time_v": {"elapsed_s": 61.0, "max_rss_kb": 10**6},
         "headlines": {"value": {n: 0.5 for n in names}, "samples": {n: [0.4, 0.5, 0.6] for n in names}}}}
     text = results.write_index(log).read_text()
     assert ("| [table1_ct_runtime](table1_ct_runtime.md) | `python run.py experiment=table1_ct_runtime` | 1.0 min | "
-            "1.5 / 3.2 / 9.0 |") in text
+            "1.5 / 3.2 / 9.0 | 1.0 min, 1.02 GB |") in text
     assert "Still hand copies (banner kept): [fig3_lcc.md](fig3_lcc.md)." in text
     assert "| table1_ct_runtime | r(C_T, remote bytes per rank) | 0.93 (:6) | 0.500 | 0.400 to 0.600 (3, iterations) | yes |" in text
     assert "Not compared yet (not rerun by `make results`; their hand copies keep their banner): " \
@@ -74,3 +74,26 @@ def test_the_load_sampler_reads_the_load_while_a_command_runs(tmp_path, monkeypa
     assert rc == 0 and wall >= 0.3
     assert s["min"] == 1.0 and s["max"] == s["n"] and 3 <= s["n"] <= 2 + wall / 0.05
     assert s["median"] == (1 + s["n"]) / 2
+
+
+def test_the_command_is_measured_with_gnu_time_and_its_figures_published(tmp_path, monkeypatch):
+    """Where /usr/bin/time is installed, the experiment's command runs under ``time -v``; its
+    wall time and peak resident memory go into the published file's header and the index."""
+    report = tmp_path / "t.txt"
+    report.write_text('\tCommand being timed: "python run.py experiment=x"\n'
+                      "\tElapsed (wall clock) time (h:mm:ss or m:ss): 1:02:03.50\n"
+                      "\tMaximum resident set size (kbytes): 2000000\n\tExit status: 0\n")
+    t = results.read_time_v(report)
+    assert t == {"elapsed_s": 3723.5, "max_rss_kb": 2000000}
+    assert results.read_time_v(tmp_path / "missing.txt") is None
+    md = tmp_path / "x.md"
+    md.write_text("# Results: x\n\n| | |\n|---|---|\n| experiment | `x` |\n| measured by | `python run.py "
+                  "experiment=x` |\n| published | now |\n")
+    results.stamp_time_v(md, "x", t)
+    lines = md.read_text().splitlines()
+    assert lines[6].startswith("| measured with `/usr/bin/time -v` | `python run.py experiment=x`: 62.1 min, 2.05 GB ")
+    assert lines[7] == "| published | now |"
+    monkeypatch.setattr(results, "TIME_V", tmp_path / "no_time")
+    assert results.timed_command(["a"], report) == ["a"]
+    monkeypatch.setattr(results, "TIME_V", report)
+    assert results.timed_command(["a"], tmp_path / "o") == [str(report), "-v", "-o", str(tmp_path / "o"), "a"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from occult.errors import ConfigError
 from occult.validate import validate
@@ -184,3 +185,119 @@ def test_project_command_takes_a_profile_path_and_names_its_files_by_the_profile
     totals = pd.read_csv(tmp_path / "run" / "projected_my_nodes_totals.csv")
     assert (totals.source == "projected").all() and (totals.profile == "my_nodes").all()
     assert "projected_my_nodes_totals.csv" in capsys.readouterr().out
+
+
+def test_the_categorical_loader_gives_the_study_the_same_tables(tmp_path):
+    """analysis.load reads the label columns as categoricals (the study's 4.3 M rows fit in its
+    memory budget that way); the study's tables are those of the same rows as strings."""
+    from analysis.figures.scale_study import projected, study_table
+    from analysis.load import CATEGORICAL, load_runs
+    from occult.records import make_frame, write_results
+    for system, per_node in (("naive", 8), ("occult", 8), ("naive", 16)):
+        rows = simulated_rows("cluster.world_size=16", f"cluster.devices_per_node={per_node}", f"system={system}",
+                              "task.tokens_per_rank=16", "task.peer_rows=false", "task.backward=false")
+        context = _frame(rows.iloc[:1], run_id=f"{system}{per_node}", system=system, devices_per_node=per_node,
+                         label="decode" if per_node == 8 else "one_node").drop(columns=rows.columns).iloc[0].to_dict()
+        write_results(make_frame(rows.to_dict("records"), context), tmp_path / f"{system}{per_node}")
+    df = load_runs(tmp_path)
+    assert isinstance(df.metric.dtype, pd.CategoricalDtype) and not isinstance(df.run_id.dtype, pd.CategoricalDtype)
+    plain = df.astype({c: str for c in CATEGORICAL if c in df})
+    profiles = ["sim_h100_nodes", "sim_gb200_nvl72"]
+    a, b = study_table(df, profiles), study_table(plain, profiles)
+    pd.testing.assert_frame_equal(a, b)
+    assert len(a) == 3 and a["sim_h100_nodes ms"].notna().sum() == 2          # nodes of 8 onto nodes of 8 only
+    assert set(projected(df, ["sim_gb200_nvl72"]).run_id) == {"naive16"}       # one node of 16 onto one NVL72
+
+
+def test_a_synthetic_draw_is_cached_under_everything_it_depends_on(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from occult.tasks import world
+    monkeypatch.setattr(world, "ROUTING_CACHE", tmp_path)
+    cfg = OmegaConf.create({"seed": 0, "model": {"num_experts": 16, "top_k": 2, "norm_topk_prob": True,
+                                                 "first_k_dense": 0, "num_layers": 4},
+                            "task": {"routing": "uniform", "zipf_s": 1.2, "synthetic_tokens": 64, "sample_layers": 1}})
+    first = world.synthetic_source(cfg)
+    assert len(list(tmp_path.glob("synthetic_*.pt"))) == 1
+    again = world.synthetic_source(cfg)                                    # read back: the same tensors
+    for a, b in zip(first[2], again[2]):
+        assert torch.equal(a, b)
+    keys = {world.synthetic_key(cfg, 0), world.synthetic_key(cfg, 1)}
+    for change in ({"seed": 1}, {"task": {"synthetic_tokens": 128}}, {"model": {"top_k": 4}},
+                   {"task": {"routing": "zipf"}}, {"model": {"norm_topk_prob": False}}):
+        keys.add(world.synthetic_key(OmegaConf.merge(cfg, change), 0))
+    assert len(keys) == 7
+
+
+def test_the_proxies_a_sweep_loads_are_pretrained_before_its_points(tmp_path, monkeypatch, caplog):
+    """Before the first point, one config per checkpoint identity is composed and the missing
+    proxies are announced (all of them, then each) and pre-trained, their time recorded apart."""
+    import json
+    import logging
+
+    from occult import runner
+    composed, trained = [], []
+    monkeypatch.setattr(runner, "build_spec", lambda cfg, out, digest: cfg)
+    monkeypatch.setattr(runner, "untrained_proxies", lambda spec: [spec] if spec.model.name.endswith("_proxy") else [])
+    import occult.tasks.pretrain as pretrain
+    monkeypatch.setattr(pretrain, "proxy_dir", lambda s: tmp_path / f"{s.model.name}-key")
+    monkeypatch.setattr(pretrain, "expected_minutes", lambda s: 2.0)
+    monkeypatch.setattr(pretrain, "announce", lambda s: f"pre-training model={s.model.name}")
+    monkeypatch.setattr(pretrain, "ensure_trained", lambda s: trained.append(s.model.name))
+
+    def compose(overrides):
+        composed.append(overrides)
+        model = next(o.split("=")[1] for o in overrides if o.startswith("model="))
+        from types import SimpleNamespace
+        return SimpleNamespace(model=SimpleNamespace(name=model))
+    points = [[f"model={m}", f"system={s}", "cluster.world_size=8"] for m in ("olmoe_proxy", "olmoe", "mixtral_proxy")
+              for s in ("naive", "occult")]
+    with caplog.at_level(logging.INFO, logger="occult"):
+        done = runner.before_sweep(points, compose, tmp_path)
+    assert len(composed) == 3 and trained == ["olmoe_proxy", "mixtral_proxy"]
+    text = caplog.text
+    assert "2 proxy checkpoint(s)" in text and "olmoe_proxy (about 2 min)" in text
+    assert text.index("2 proxy checkpoint(s)") < text.index("pre-training model=olmoe_proxy")
+    assert json.loads((tmp_path / runner.SWEEP_COST_FILE).read_text())["setup"] == done
+    assert [d["what"] for d in done] == ["pre-trained olmoe_proxy (olmoe_proxy-key)",
+                                         "pre-trained mixtral_proxy (mixtral_proxy-key)"]
+
+
+def test_the_report_states_what_the_sweep_cost(tmp_path):
+    import json
+
+    from analysis.report import cost_section
+    (tmp_path / "sweep_cost.json").write_text(json.dumps(
+        {"setup": [{"what": "pre-trained x_proxy (x_proxy-1)", "seconds": 90.0}], "points_s": 600.0,
+         "points_peak_rss": 1.5e9, "points_cpu_s": 300.0, "report_s": 120.0, "report_peak_rss": 3.25e9}))
+    text = " ".join(cost_section([tmp_path])[0].text)
+    assert "pre-trained x_proxy (x_proxy-1) in 1.5 min (not in the points' time)" in text
+    assert "The points took 10.0 min" in text and "5.0 min of CPU), peak memory 1.50 GB" in text
+    assert "The report at the sweep's end took 2.0 min (CPU not recorded), peak memory 3.25 GB" in text
+    from analysis.callbacks import TreeMemory
+    import time
+    memory = TreeMemory(every_s=0.01).start()
+    busy = time.process_time() + 0.2
+    while time.process_time() < busy:
+        pass
+    assert memory.stop() > 0 and memory.cpu_s >= 0.15
+    assert cost_section([tmp_path / "none"]) == []
+
+
+def test_a_checkpoint_digest_is_remembered_until_a_file_changes(tmp_path, monkeypatch):
+    import hashlib
+    import os
+
+    from occult.tasks import world
+    monkeypatch.setattr(world, "ROUTING_CACHE", tmp_path / "cache")
+    ckpt = tmp_path / "proxy"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    (ckpt / "config.json").write_bytes(b"{}")
+    direct = lambda: hashlib.sha256(b"config.json{}model.safetensors" + (ckpt / "model.safetensors").read_bytes())
+    assert world.checkpoint_digest(ckpt) == direct().hexdigest()
+    assert (tmp_path / "cache" / "digests.json").is_file()
+    assert world.checkpoint_digest(ckpt) == direct().hexdigest()           # remembered
+    (ckpt / "model.safetensors").write_bytes(b"other weights")
+    os.utime(ckpt / "model.safetensors", ns=(1, 1))
+    assert world.checkpoint_digest(ckpt) == direct().hexdigest()           # changed: hashed again

@@ -33,7 +33,9 @@ the point's keys do not exist; an escaped ``\${...}`` is resolved twice there).
 It is the default sweeper of every multirun (``conf/config.yaml``): without grid
 names it sweeps like Hydra's basic sweeper. A point whose overrides would name a
 folder longer than the file system allows gets a shortened name with a digest. It announces the number of points to
-the runner (for the progress lines: points done of all, time left). Everything
+the runner (for the progress lines: points done of all, time left) and, before the first
+point, pre-trains the proxies the points load that are not cached
+(:func:`occult.runner.before_sweep`). Everything
 else (batching, launching, resume through ``run.py``) is Hydra's basic sweeper.
 """
 from __future__ import annotations
@@ -123,6 +125,17 @@ class GridsSweeper(BasicSweeper):
             first.setdefault(point_shape(point), point)
         super().validate_batch_is_legal(list(first.values()))
 
+    def _before_points(self, points: list) -> None:
+        """What the sweep needs before its first point (:func:`occult.runner.before_sweep`:
+        pre-training the proxies its points load that are not cached, announced and timed
+        apart from the points)."""
+        if self.config is None or self.hydra_context is None:
+            return
+        from occult.runner import before_sweep
+        loader = self.hydra_context.config_loader
+        before_sweep(points, lambda overrides: loader.load_sweep_config(self.config, overrides),
+                     self.config.hydra.sweep.dir)
+
     def _parse_config(self) -> List[str]:
         return []          # the grids are expanded in split_arguments
 
@@ -143,6 +156,7 @@ class GridsSweeper(BasicSweeper):
                         points.append(point)
         os.environ[SWEEP_POINTS_ENV] = str(len(points))
         points = [self._short_folder(point) for point in points]
+        self._before_points(points)
         if max_batch_size is None or max_batch_size <= 0:
             return [points]
         return [points[i:i + max_batch_size] for i in range(0, len(points), max_batch_size)]

@@ -304,14 +304,7 @@ def routing_key(cfg) -> str:
     import json
 
     ckpt = cfg.checkpoint
-    digest = "untrained"
-    if ckpt:
-        h = hashlib.sha256()
-        files = sorted(Path(ckpt).rglob("*")) if Path(ckpt).is_dir() else [Path(ckpt)]
-        for f in (f for f in files if f.is_file()):
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
-        digest = h.hexdigest()
+    digest = checkpoint_digest(Path(ckpt)) if ckpt else "untrained"
     t = cfg.task
     key = {"checkpoint": digest, "model": plain(cfg.model),
            "corpus": t.corpus,
@@ -320,18 +313,40 @@ def routing_key(cfg) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
+def checkpoint_digest(ckpt: Path) -> str:
+    """sha256 over a checkpoint's files (names and bytes), remembered in
+    ``runs/cache/routing/digests.json`` under each file's path, size, modification time and
+    inode (a sweep's every point read and hashed the whole checkpoint: 0.4 s of a 1.3 s
+    point); a file that changed in any of them is hashed again."""
+    import hashlib
+    import json
+
+    files = [f for f in (sorted(ckpt.rglob("*")) if ckpt.is_dir() else [ckpt]) if f.is_file()]
+    stamp = json.dumps([[str(f.resolve()), st.st_size, st.st_mtime_ns, st.st_ino] for f in files
+                        for st in [f.stat()]])
+    memo_path = ROUTING_CACHE / "digests.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if stamp in memo:
+        return memo[stamp]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    memo[stamp] = h.hexdigest()
+    memo_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo_path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(memo))
+    tmp.replace(memo_path)               # atomic; a concurrent writer's entry may be lost and is hashed again
+    return memo[stamp]
+
+
 def cached_routing(cfg, compute) -> dict:
     """``compute()`` (``{layer: (ids_NK, weights_NK, logits_NE)}``), read from
     ``runs/cache/routing/<key>.pt`` when a run with the same :func:`routing_key` wrote it."""
-    path = ROUTING_CACHE / f"{cfg.model.name}_{routing_key(cfg)}.pt"
-    if path.is_file():
-        return torch.load(path, map_location="cpu")
-    layers = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(layers, tmp)
-    tmp.replace(path)                    # atomic: a concurrent run reads a whole file or none
-    return layers
+    return _cached(ROUTING_CACHE / f"{cfg.model.name}_{routing_key(cfg)}.pt", compute)
 
 
 def _route_held_out(cfg) -> dict:
@@ -352,7 +367,53 @@ def _route_held_out(cfg) -> dict:
 def synthetic_source(cfg, salt: int = 0) -> dict:
     """``task.synthetic_tokens`` synthetic tokens per sampled layer, drawn once (seeded by the
     layer and ``salt``): ``{layer: (ids_NK, weights_NK, logits_NE)}``, the Gumbel keys as
-    the logits (see :func:`rank_routing`)."""
+    the logits (see :func:`rank_routing`). Cached on disk (:func:`cached_synthetic`): every
+    point of a sweep over systems and world sizes draws the same tokens, and the draw (N x E
+    keys, a softmax and a top-k per layer) was most of a small point's time."""
+    return cached_synthetic(cfg, salt, lambda: _draw_synthetic(cfg, salt))
+
+
+# bump when _draw_synthetic draws differently: cached draws of older versions are then not read
+SYNTHETIC_VERSION = 1
+
+
+def synthetic_key(cfg, salt: int) -> str:
+    """What a synthetic draw depends on: the model's E, K and gate normalisation, the
+    popularity (``task.routing``, ``task.zipf_s``), the tokens, the sampled layers, the seed,
+    the salt, torch's version (its generator) and :data:`SYNTHETIC_VERSION`."""
+    import hashlib
+    import json
+
+    m, t = cfg.model, cfg.task
+    key = {"num_experts": m.num_experts, "top_k": m.top_k, "norm_topk_prob": m.norm_topk_prob,
+           "routing": t.routing, "zipf_s": t.zipf_s if t.routing == "zipf" else None,
+           "tokens": t.synthetic_tokens, "layers": task_layers(m, t.sample_layers), "seed": cfg.seed, "salt": salt,
+           "torch": torch.__version__, "version": SYNTHETIC_VERSION}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def cached_synthetic(cfg, salt: int, compute) -> dict:
+    """``compute()`` (a synthetic draw), read from ``runs/cache/routing/synthetic_<key>.pt``
+    when a run with the same :func:`synthetic_key` wrote it."""
+    return _cached(ROUTING_CACHE / f"synthetic_{synthetic_key(cfg, salt)}.pt", compute)
+
+
+def _cached(path: Path, compute) -> dict:
+    """``compute()``'s tensors, saved at ``path`` (atomically) or read from it, memory-mapped:
+    the router logits (N x E per layer, 100 MB for three layers of 256 experts) are read only
+    where a routing transform reads them."""
+    if path.is_file():
+        return torch.load(path, map_location="cpu", mmap=True)
+    layers = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(layers, tmp)
+    tmp.replace(path)                    # atomic: a concurrent run reads a whole file or none
+    return layers
+
+
+def _draw_synthetic(cfg, salt: int) -> dict:
+    """:func:`synthetic_source`'s draw."""
     m, t = cfg.model, cfg.task
     popularity_E = expert_popularity(t.routing, m.num_experts, t.zipf_s)
     out = {}
