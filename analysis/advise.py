@@ -20,7 +20,8 @@ experts), ``trace`` (a run folder with ``routing.parquet``: replay that routing)
 (router | uniform | zipf; default: ``router`` through the model's own routers or a trained
 proxy of the same E and K (``<model>_proxy``), else ``uniform``), ``sample_layers``
 (default 3), ``systems`` (comma-separated strategies; hierarchical as ``hierarchical_node`` /
-``hierarchical_device``), ``out``. A system with a ``profile`` option (a cost rule that
+``hierarchical_device``), ``devices_per_node`` (a measured profile's ranks grouped into nodes
+of this size, its one loopback link serving within and across them: :func:`grouped`), ``out``. A system with a ``profile`` option (a cost rule that
 decides its schedule: shadowing, the pipeline degree) decides with the advised profile.
 
 Memory per GPU: the MoE layers' expert weights a rank holds (E / P experts x 3 D F elements x
@@ -72,6 +73,7 @@ class Request:
     routing: Optional[str] = None
     sample_layers: int = 3
     systems: tuple = ()             # () : every candidate (:func:`candidates`)
+    devices_per_node: int = 0       # 0: the profile's nodes (:func:`grouped`)
     out: Optional[str] = None
 
 
@@ -100,7 +102,7 @@ def parse(argv) -> Request:
             raise ValueError(f"{name}= is required (e.g. model=deepseek_v3 profile=sim_h200_nodes)")
     if kv.get("phase", "decode") not in PHASES:
         raise ValueError(f"phase={kv['phase']}: allowed values are {list(PHASES)}")
-    for name in ("tokens_per_rank", "world_size", "sample_layers"):
+    for name in ("tokens_per_rank", "world_size", "sample_layers", "devices_per_node"):
         if name in kv:
             kv[name] = int(kv[name])
     allowed = candidates()
@@ -127,6 +129,19 @@ def world_size_of(req: Request, num_experts: int) -> int:
         raise ValueError(f"profile={req.profile} covers world sizes {sizes}; "
                          f"none divides model's {num_experts} experts")
     return max(fit)
+
+
+def grouped(profile, P: int, per_node: int):
+    """``profile`` with its world of P ranks in nodes of ``per_node`` (0: as it is): a measured
+    profile's one link (loopback) serves within and across these nodes alike."""
+    if not per_node:
+        return profile
+    if not profile.calibration:
+        raise ValueError(f"devices_per_node={per_node}: profile={profile.name} states its own nodes")
+    link = profile.at(P)
+    same = dataclasses.replace(link, devices_per_node=per_node, inter_Bps=link.intra_Bps,
+                               inter_latency_s=link.intra_latency_s, inter_message_s=link.intra_message_s)
+    return dataclasses.replace(profile, calibration={**profile.calibration, P: same})
 
 
 def routing_overrides(req: Request, model) -> list:
@@ -175,7 +190,7 @@ def simulate(req: Request, out: Path) -> pd.DataFrame:
     returns their rows."""
     model = read_conf("model", req.model)
     P = world_size_of(req, int(model.num_experts))
-    link = load_profile(req.profile).at(P)
+    link = grouped(load_profile(req.profile), P, req.devices_per_node).at(P)
     node = link.devices_per_node if link.devices_per_node and link.devices_per_node < P else 0
     base = [f"model={req.model}", f"cluster.world_size={P}", f"cluster.devices_per_node={node}",
             f"task.sample_layers={req.sample_layers}", "experiment_name=advise", "resume=true",
@@ -203,9 +218,9 @@ def memory_GB(model, P: int, element_bytes: int, received_max_rows: float) -> fl
 def ranked(df: pd.DataFrame, req: Request) -> pd.DataFrame:
     """The ranked table: projected ms per MoE layer (collectives + experts), its ratio to the
     best, bytes and messages per rank per layer, memory per GPU."""
-    profile = load_profile(req.profile)
     model = read_conf("model", req.model)
     sim = df[df.task == "simulate"]
+    profile = grouped(load_profile(req.profile), int(sim.world_size.iloc[0]), req.devices_per_node)
     points = point_table(sim).set_index("run_id")
     tot = projected_totals(project_runs(sim, profile)).set_index("run_id")
     element = profile.element_bytes
