@@ -21,8 +21,9 @@ experts), ``trace`` (a run folder with ``routing.parquet``: replay that routing)
 proxy of the same E and K (``<model>_proxy``), else ``uniform``), ``sample_layers``
 (default 3), ``systems`` (comma-separated strategies; hierarchical as ``hierarchical_node`` /
 ``hierarchical_device``), ``devices_per_node`` (a measured profile's ranks grouped into nodes
-of this size, its one loopback link serving within and across them: :func:`grouped`), ``out``. A system with a ``profile`` option (a cost rule that
-decides its schedule: shadowing, the pipeline degree) decides with the advised profile.
+of this size, its one loopback link serving within and across them: :func:`grouped`), ``out``.
+A system with a ``profile`` option (a cost rule that decides its schedule: shadowing, the
+pipeline degree) decides with the advised profile.
 
 Memory per GPU: the MoE layers' expert weights a rank holds (E / P experts x 3 D F elements x
 MoE layers) plus its largest dispatch buffer (received rows x D elements); attention, dense
