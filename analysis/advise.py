@@ -28,8 +28,10 @@ default none), ``trace`` (a run folder with ``routing.parquet``: replay that rou
 ``routing`` (router | uniform | zipf; default: ``router`` through the model's own routers or a
 trained proxy of the same E and K (``<model>_proxy``), else ``uniform``), ``sample_layers``
 (default 3), ``systems`` (comma-separated strategies; hierarchical as ``hierarchical_node`` /
-``hierarchical_device``), ``out``. A system with a ``profile`` option (a cost rule that
-decides its schedule: shadowing, the pipeline degree) decides with the advised profile.
+``hierarchical_device``), ``devices_per_node`` (a measured profile's ranks grouped into nodes
+of this size, its one loopback link serving within and across them: :func:`grouped`), ``out``.
+A system with a ``profile`` option (a cost rule that decides its schedule: shadowing, the
+pipeline degree) decides with the advised profile.
 
 Per step: the MoE layers' time, projected MoE-layer ms x the model's MoE layers; attention and
 dense layers are not modelled. Tokens per second per GPU: tokens per rank / that time (with
@@ -88,6 +90,7 @@ class Request:
     routing: Optional[str] = None
     sample_layers: int = 3
     systems: tuple = ()             # () : every candidate (:func:`candidates`)
+    devices_per_node: int = 0       # 0: the profile's nodes (:func:`grouped`)
     out: Optional[str] = None
 
 
@@ -118,7 +121,7 @@ def parse(argv) -> Request:
         raise ValueError(f"phase={kv['phase']}: allowed values are {list(PHASES)}")
     if "world_size" in kv and "world_sizes" in kv:
         raise ValueError("world_size= and world_sizes= together: give one (world_sizes=32,64,... for several P)")
-    for name in ("tokens_per_rank", "world_size", "sample_layers", "world_sizes", "latency_ms"):
+    for name in ("tokens_per_rank", "world_size", "sample_layers", "world_sizes", "latency_ms", "devices_per_node"):
         if name in kv:
             try:
                 kv[name] = tuple(int(p) for p in kv[name].split(",") if p) if name == "world_sizes" else \
@@ -199,10 +202,28 @@ def point_overrides(strategy: str, place_dir: Path, profile: str) -> list:
 SWEEP_NAME = "advise_points"     # the generated experiment of the advisor's points (in <out>/conf)
 
 
-def node_of(profile: str, P: int) -> int:
-    """``cluster.devices_per_node`` of a world of P ranks on the profile: its node size when the
-    world spans several nodes, else 0 (one node)."""
-    link = load_profile(profile).at(P)
+def grouped(profile, per_node: int):
+    """``profile`` with its worlds' ranks in nodes of ``per_node`` (0: as it is): a measured
+    profile's one link (loopback) serves within and across these nodes alike."""
+    if not per_node:
+        return profile
+    if not profile.calibration:
+        raise ValueError(f"devices_per_node={per_node}: profile={profile.name} states its own nodes")
+    nodes = {P: dataclasses.replace(link, devices_per_node=per_node, inter_Bps=link.intra_Bps,
+                                    inter_latency_s=link.intra_latency_s, inter_message_s=link.intra_message_s)
+             for P, link in profile.calibration.items()}
+    return dataclasses.replace(profile, calibration=nodes)
+
+
+def profile_of(req: Request):
+    """The advised profile, its ranks grouped as ``devices_per_node`` asks (:func:`grouped`)."""
+    return grouped(load_profile(req.profile), req.devices_per_node)
+
+
+def node_of(req: Request, P: int) -> int:
+    """``cluster.devices_per_node`` of a world of P ranks on the advised profile: its node size
+    when the world spans several nodes, else 0 (one node)."""
+    link = profile_of(req).at(P)
     return link.devices_per_node if link.devices_per_node and link.devices_per_node < P else 0
 
 
@@ -223,7 +244,7 @@ def sweep_params(req: Request, points: list, out: Path, peer_rows: bool = False)
         key, _, value = o.partition("=")
         params[key] = value
     for P in sorted({P for P, _ in points}):
-        world = {"cluster.world_size": str(P), "cluster.devices_per_node": str(node_of(req.profile, P))}
+        world = {"cluster.world_size": str(P), "cluster.devices_per_node": str(node_of(req, P))}
         if (P, "occult_placed") in points:
             grid = {"task": "place", **world, "task.total_tokens": str(PROFILE_TOKENS // P * P),
                     "task.time_limit_s": str(PLACE_TIME_LIMIT_S), "hydra.sweep.subdir": f"p{P}/place"}
@@ -313,9 +334,9 @@ def ranked(df: pd.DataFrame, req: Request) -> pd.DataFrame:
     tokens per second per GPU (``per_GPU_rank``; :func:`analysis.figures.scale_study.per_gpu`),
     ``within_bound`` (``latency_ms``), memory per GPU and ``fits``, bytes and messages per rank
     per layer."""
-    profile = load_profile(req.profile)
+    profile = profile_of(req)
     sim = df[(df.task == "simulate") & (df.clock == "simulated")]
-    gpu = per_gpu(point_table(sim), projected(sim, [req.profile]), req.latency_ms)
+    gpu = per_gpu(point_table(sim), projected(sim, [profile]), req.latency_ms)
     table = gpu.sort_values(["moe_layer_ms", "world_size"]).reset_index(drop=True)
     table.insert(0, "rank", np.arange(1, len(table) + 1))
     table["per_GPU_rank"] = table.tokens_per_s_per_GPU.rank(ascending=False, method="min").astype(int)

@@ -120,11 +120,13 @@ def point_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def projected(df: pd.DataFrame, profiles) -> pd.DataFrame:
-    """Per point and profile: projected collective, expert and MoE-layer ms per layer."""
+    """Per point and profile (a name in conf/profile, or a loaded :class:`~occult.ep.profiles.Profile`):
+    projected collective, expert and MoE-layer ms per layer."""
     sim = df[(df.task == "simulate") & (df.clock == "simulated")]
     frames = []
-    for name in profiles:
-        profile = load_profile(name)
+    for given in profiles:
+        profile = load_profile(given) if isinstance(given, str) else given
+        name = profile.name
         tot = projected_totals(project_runs(sim[sim.world_size.isin(profile.sizes())], profile))
         if tot.empty:
             continue
