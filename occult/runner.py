@@ -74,7 +74,7 @@ def checkpoint_specs(spec: RunSpec) -> list:
     none for a task without a ``prepare`` or one whose routing source is not a router
     (synthetic routing, a trace)."""
     t = spec.task
-    if not t.prepare or getattr(t, "routing", "router") != "router":
+    if not t.prepare or t.columns(spec.cluster.world_size)["routing"] != "router":
         return []
     if t.routers_model_name():
         from .tasks.world import routers_spec
