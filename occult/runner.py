@@ -13,6 +13,7 @@ where it stopped. The sweep's report is another callback named in config
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import time
 import traceback
@@ -333,6 +334,36 @@ class Progress:
             self.set_up += 1
         else:
             self.ran_seconds.append(seconds)
+
+
+class SharedProgress(Progress):
+    """:class:`Progress` of a sweep whose points several forked processes run at once
+    (``hydra/launcher=occult_parallel``): the counts in shared memory, made before the
+    processes fork; time left from the sweep's time so far per point ended (the points run
+    side by side, so a point's own time overstates it)."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self._counts = ctx.Array("l", 4)      # started, ended, skipped, set up
+        self._since = time.time()
+
+    def begin(self, overrides: str) -> None:
+        with self._counts.get_lock():
+            self._counts[0] += 1
+            started, ended, skipped, set_up = self._counts[:]
+        total = os.environ.get(SWEEP_POINTS_ENV)
+        left = ""
+        if total and ended > skipped + set_up:
+            per_point = (time.time() - self._since) / ended
+            left = f", about {_minutes(per_point * (int(total) - ended))} left"
+        of = f"/{total}" if total else ""
+        log.info("[point %d%s] %s (%d done%s)", started, of, overrides or "(no overrides)", ended, left)
+
+    def end(self, seconds: float, skipped: bool, set_up: bool = False) -> None:
+        with self._counts.get_lock():
+            self._counts[1] += 1
+            self._counts[2] += int(skipped)
+            self._counts[3] += int(set_up and not skipped)
 
 
 def _minutes(seconds: float) -> str:

@@ -111,3 +111,40 @@ def test_layer_run_calibrates_its_own_world_for_the_cost_model_check(tmp_path):
     assert set(chk.calibration) == {"own run"}
     logged = {f"a2a {p} {d}" for p, d in df[df.metric == "a2a_time"][["phase", "pass"]].drop_duplicates().values}
     assert logged and logged <= set(chk.quantity) and (chk.projected_ms > 0).all()
+
+
+SIM = ["task=simulate", "model=olmoe", "cluster=cpu8", "cluster.world_size=8", "task.routing=uniform",
+       "task.synthetic_tokens=256", "task.sample_layers=1", "task.tokens_per_rank=16", "task.backward=false"]
+
+
+@pytest.mark.timeout(300)
+def test_the_parallel_launcher_runs_one_process_points_side_by_side_as_the_basic_launcher_does(tmp_path):
+    """hydra/launcher=occult_parallel: the same rows as the basic launcher, a failing point
+    reported (run.py exits non-zero, the others written), a timed task refused in one line."""
+    grid = ["-m", *SIM, "system=naive,occult", "model.top_k=8,100", NO_REPORT]
+    par = run_py(*grid, f"hydra.sweep.dir={tmp_path / 'par'}", "hydra/launcher=occult_parallel",
+                 "hydra.launcher.n_jobs=2", check=False)
+    assert par.returncode != 0 and "2 sweep point(s) failed" in par.stdout + par.stderr
+    assert "[point 4/4]" in par.stdout + par.stderr                # progress counted over both workers
+    seq = run_py("-m", *SIM, "system=naive,occult", NO_REPORT, f"hydra.sweep.dir={tmp_path / 'seq'}")
+    assert seq.returncode == 0
+    keys = ["system", "layer", "rank", "phase", "pass", "metric"]
+    traffic = lambda df: df[df.unit.isin(["bytes", "rows", "messages"]) & ~df.metric.str.startswith("planning_")] \
+        .groupby(keys, observed=True).value.sum()         # (planning memory is measured, not planned)
+    a, b = traffic(load_runs([tmp_path / "par"])), traffic(load_runs([tmp_path / "seq"]))
+    assert len(a) == len(b) > 0 and (a == b).all()
+    timed = run_py("-m", "task=layer", "cluster=cpu2", "system=naive,occult", *SMALL, NO_REPORT,
+                   f"hydra.sweep.dir={tmp_path / 'timed'}", "hydra/launcher=occult_parallel", check=False)
+    assert timed.returncode != 0
+    assert "hydra.launcher.n_jobs=2: task=layer starts ranks and times them" in timed.stderr
+    assert not list((tmp_path / "timed").rglob("results.parquet"))
+
+
+def test_the_parallel_launcher_refuses_more_jobs_than_cores():
+    import os
+
+    from hydra_plugins.occult_sweepers.parallel_launcher import ParallelLauncher
+    from occult.errors import ConfigError
+    for n in (0, (os.cpu_count() or 1) + 1):
+        with pytest.raises(ConfigError, match=rf"hydra.launcher.n_jobs={n}: allowed values are 1 to"):
+            ParallelLauncher(n_jobs=n).check([])

@@ -1,0 +1,181 @@
+"""``hydra/launcher=occult_parallel``: a sweep's points ``n_jobs`` at a time, each point in a
+process forked from the sweep's (Hydra's basic launcher runs them one after another).
+
+    python run.py -m task=simulate ... hydra/launcher=occult_parallel hydra.launcher.n_jobs=2
+
+For sweeps of many cheap one-process points (``experiment=scale_study``: about 1,500
+simulated worlds of a second each), where the points, not their work, cost the time: the
+basic launcher runs a point's rank while the sweep's own process waits, so one of two cores
+idles. Only points of a one-process task that measures no collective time may run side by side
+(``one_process`` tasks: ``simulate``, ``place``, ``placement_load``): a timed point beside
+another would measure both. A sweep with any other task, or ``n_jobs`` outside 1 .. the
+machine's cores, is refused in one line before any point runs; ``n_jobs=1`` is the basic
+launcher.
+
+Each worker composes and runs its points as the basic launcher does (``run_job``); the
+progress lines count over all workers (:class:`occult.runner.SharedProgress`), a failed point
+is reported to the sweep's process (``run.py`` exits non-zero), the other points go on.
+"""
+import logging
+import multiprocessing
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from omegaconf import DictConfig, open_dict
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+
+from .grids_sweeper import point_shape
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelLauncherConf:
+    _target_: str = "hydra_plugins.occult_sweepers.parallel_launcher.ParallelLauncher"
+    n_jobs: int = 2                 # points at a time (1: one after another, as the basic launcher)
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="occult_parallel", node=ParallelLauncherConf,
+                             provider="occult")
+
+# the launcher whose points the forked workers run (set before they fork; read in _run_point)
+_ACTIVE: Optional["ParallelLauncher"] = None
+
+
+class ParallelLauncher(Launcher):
+    """Runs a batch of points ``n_jobs`` at a time in forked processes (see the module docstring)."""
+
+    def __init__(self, n_jobs: int = 2) -> None:
+        super().__init__()
+        self.n_jobs = n_jobs
+        self.config: Optional[DictConfig] = None
+        self.task_function: Optional[TaskFunction] = None
+        self.hydra_context: Optional[HydraContext] = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.task_function = task_function
+
+    def compose(self, overrides, idx: int) -> DictConfig:
+        """A point's config, as the basic launcher composes it."""
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(cfg):
+            cfg.hydra.job.id = idx
+            cfg.hydra.job.num = idx
+        return cfg
+
+    def check(self, job_overrides: Sequence[Sequence[str]]) -> None:
+        """Refuses, in one line, ``n_jobs`` outside 1 .. the cores, or side by side points of a
+        task that is not one-process (composes one point per :func:`point_shape`)."""
+        from occult.errors import ConfigError
+        from occult.tasks.schema import task_config
+
+        cores = os.cpu_count() or 1
+        if not 1 <= self.n_jobs <= cores:
+            raise ConfigError(f"hydra.launcher.n_jobs={self.n_jobs}: allowed values are 1 to {cores} (this "
+                              f"machine's cores: points side by side on shared cores would slow each other)")
+        if self.n_jobs == 1:
+            return
+        first = {}
+        for point in job_overrides:
+            first.setdefault(point_shape(point), point)
+        for point in first.values():
+            task = task_config(self.compose(point, 0).task)
+            if not task.one_process:
+                raise ConfigError(f"hydra.launcher.n_jobs={self.n_jobs}: task={task.name} starts ranks and times "
+                                  f"them, so its points cannot run side by side; allowed: hydra.launcher.n_jobs=1, "
+                                  f"or a sweep of one-process tasks (simulate, place, placement_load)")
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        global _ACTIVE
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        self.check(job_overrides)
+        jobs = [(initial_job_idx + i, list(o)) for i, o in enumerate(job_overrides)]
+        workers = min(self.n_jobs, len(jobs))
+        log.info(f"Launching {len(jobs)} jobs locally, {workers} at a time")
+        if workers <= 1:
+            return [_run(self, idx, overrides)[0] for idx, overrides in jobs]
+        from occult import runner
+
+        if not isinstance(runner.PROGRESS, runner.SharedProgress):
+            runner.PROGRESS = runner.SharedProgress()
+        _ACTIVE = self
+        returns, failed = run_forked(jobs, workers)
+        runner.FAILED_POINTS.extend(failed)
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        return [returns[idx] for idx, _ in jobs]
+
+
+def run_forked(jobs: list, workers: int) -> tuple:
+    """``jobs`` ([(idx, overrides)]) on ``workers`` forked processes (not daemons: a point
+    starts its ranks' processes), each taking the next job when done: ({idx: JobReturn},
+    the failed points' folders). A worker that dies mid-point (a crash, not an error, which
+    the point records) stops the sweep with a one-line error naming that point."""
+    import queue
+
+    ctx = multiprocessing.get_context("fork")
+    todo, done = ctx.Queue(), ctx.Queue()
+    for job in jobs:
+        todo.put(job)
+    for _ in range(workers):
+        todo.put(None)
+    procs = [ctx.Process(target=_worker, args=(todo, done), name=f"occult-point-{i}") for i in range(workers)]
+    for p in procs:
+        p.start()
+    returns, failed, running = {}, [], {}
+    try:
+        while len(returns) < len(jobs):
+            try:
+                kind, pid, idx, *rest = done.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0) and p.pid in running]
+                if dead:
+                    raise RuntimeError(f"a point's process (pid {dead[0].pid}) died with exit code {dead[0].exitcode} "
+                                       f"while running point #{running[dead[0].pid]}; the points that ended are "
+                                       f"written: rerun the same command to run the rest")
+                continue
+            if kind == "start":
+                running[pid] = idx
+            else:
+                returns[idx] = rest[0]
+                failed += rest[1]
+                running.pop(pid, None)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+    return returns, failed
+
+
+def _worker(todo, done) -> None:
+    """A forked process's loop: runs jobs of ``todo`` until its ``None``, reporting to ``done``."""
+    while True:
+        job = todo.get()
+        if job is None:
+            return
+        done.put(("start", os.getpid(), job[0]))
+        ret, failed = _run(_ACTIVE, *job)
+        done.put(("end", os.getpid(), job[0], ret, failed))
+
+
+def _run(launcher: ParallelLauncher, idx: int, overrides: list) -> tuple:
+    """One point, composed and run (``run_job``): (its JobReturn, the failed points it added)."""
+    from occult import runner
+
+    log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
+    before = len(runner.FAILED_POINTS)
+    ret = run_job(hydra_context=launcher.hydra_context, task_function=launcher.task_function,
+                  config=launcher.compose(overrides, idx), job_dir_key="hydra.sweep.dir",
+                  job_subdir_key="hydra.sweep.subdir")
+    configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
+    return ret, runner.FAILED_POINTS[before:]
