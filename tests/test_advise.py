@@ -34,11 +34,12 @@ _spec.loader.exec_module(FIX)
 PAIRS = FIX.PAIRS
 
 
-def advised(tmp_path: Path, systems, **req) -> tuple[dict, list]:
-    """Projected MoE-layer ms per strategy on sim_cpu_loopback at P = 4, and what they rest on;
-    each strategy simulated in its own process, all at once."""
+def advised(tmp_path: Path, systems, world_size: int = 4, **req) -> tuple[dict, list]:
+    """Projected MoE-layer ms per strategy on sim_cpu_loopback at P = ``world_size``, and what
+    they rest on; each strategy simulated in its own process, all at once."""
     def one(s):
-        return advise(Request(profile="sim_cpu_loopback", world_size=4, systems=(s,), out=str(tmp_path / s), **req))
+        return advise(Request(profile="sim_cpu_loopback", world_size=world_size, systems=(s,), out=str(tmp_path / s),
+                              **req))
     with ThreadPoolExecutor(len(systems)) as pool:
         done = list(pool.map(one, systems))
     return {t.strategy.iloc[0]: float(t.moe_layer_ms.iloc[0]) for t, _ in done}, done[0][1]
@@ -61,7 +62,7 @@ def test_the_advisor_orders_the_three_comm_bound_pairs_as_measured(tmp_path):
     systems = sorted({s for pair in PAIRS for s in pair})
     projected, notes = advised(tmp_path, systems, model=first.model, phase="prefill", routing="uniform",
                                sample_layers=0, tokens_per_rank=int(first.tokens_per_rank),
-                               devices_per_node=int(first.devices_per_node))
+                               world_size=int(first.world_size), devices_per_node=int(first.devices_per_node))
     assert any("sim_cpu_loopback" in n and "measured" in n for n in notes), notes
     problems = FIX.failures(st, projected)
     assert not problems, explained(problems, st, projected)
