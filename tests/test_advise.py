@@ -51,13 +51,27 @@ def explained(problems: list, st: pd.DataFrame, projected: dict) -> str:
                                  f"projected on sim_cpu_loopback (ms): {projected}"])
 
 
+def test_the_comm_fixture_was_measured_at_one_clean_commit_with_ten_samples_a_system():
+    lat = pd.read_csv(FIXTURES / "comm_p4" / "latency.csv")
+    st = FIX.stats(lat)
+    assert set(st.index) == {s for pair in PAIRS for s in pair} and (st["count"] >= 10).all(), st
+    commits = lat.git_commit.unique()
+    assert len(commits) == 1 and not commits[0].endswith("+dirty"), f"re-measure at one clean commit: {commits}"
+
+
+# Measured on this 2-core machine (tests/fixtures/comm_p4, quiet: load 0.3 to 1.5), no pair
+# separates: 4 ranks share 2 cores and a layer's time jumps by about 250 ms now and then
+# (hierarchical's and naive's more often: more collectives), while the medians order occult <
+# naive ~ hierarchical (205 / 475 / 484 ms). A strict xfail: the day the three pairs separate
+# and the advisor orders them as measured, it fails, and the mark goes.
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="the three comm-bound pairs do not separate on 2 shared cores (see the comment)")
 @pytest.mark.timeout(240)
 def test_the_advisor_orders_the_three_comm_bound_pairs_as_measured(tmp_path):
     lat = pd.read_csv(FIXTURES / "comm_p4" / "latency.csv")
     st = FIX.stats(lat)
-    assert (st["count"] >= 10).all(), st
-    commits = lat.git_commit.unique()
-    assert len(commits) == 1 and not commits[0].endswith("+dirty"), f"re-measure at one clean commit: {commits}"
+    apart = FIX.failures(st, {}, [(a, b) for a, b in PAIRS if FIX.separation(st, a, b) <= 1])
+    assert not apart, explained(apart, st, {})          # before the advisor runs: nothing to order
     first = lat.iloc[0]
     systems = sorted({s for pair in PAIRS for s in pair})
     projected, notes = advised(tmp_path, systems, model=first.model, phase="prefill", routing="uniform",
