@@ -46,6 +46,7 @@ strategy and not counted. Shapes: P ranks.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -266,9 +267,11 @@ def write_sweep(req: Request, points: list, out: Path, peer_rows: bool = False) 
     experiment (a multirun in ``out``, no report); returns its config folder."""
     conf = out / "conf"
     (conf / "experiment").mkdir(parents=True, exist_ok=True)
-    sweep = {"mode": "MULTIRUN", "sweep": {"dir": str(out)},
+    sweep = {"mode": "MULTIRUN", "sweep": {"dir": str(out)}, "launcher": {"n_jobs": min(2, os.cpu_count() or 1)},
              "sweeper": {"params": sweep_params(req, points, out, peer_rows)}}
-    exp = {"experiment_name": "advise", "report": "", "hydra": sweep}
+    # one-process points (simulate, place): two at a time (hydra_plugins/occult_sweepers/parallel_launcher.py)
+    exp = {"defaults": [{"override /hydra/launcher": "occult_parallel"}], "experiment_name": "advise", "report": "",
+           "hydra": sweep}
     (conf / "experiment" / f"{SWEEP_NAME}.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(exp))
     return conf
 
