@@ -155,3 +155,17 @@ def test_the_parallel_launcher_refuses_more_jobs_than_cores():
     for n in (0, (os.cpu_count() or 1) + 1):
         with pytest.raises(ConfigError, match=rf"hydra.launcher.n_jobs={n}: allowed values are 1 to"):
             ParallelLauncher(n_jobs=n).check([])
+
+
+def test_the_parallel_launcher_starts_nothing_while_a_point_that_writes_a_file_runs():
+    """A place point (its placements read by later points) ends before any later point starts;
+    the points before it may still run beside it."""
+    from hydra_plugins.occult_sweepers.parallel_launcher import Handout
+    order = Handout([(i, []) for i in range(5)], workers=2, barriers={2})
+    assert [j for j, _ in order.next_jobs()] == [0, 1]
+    order.ended(0)
+    assert [j for j, _ in order.next_jobs()] == [2]          # the place point, beside point 1
+    order.ended(1)
+    assert order.next_jobs() == []                            # point 3 waits for it
+    order.ended(2)
+    assert [j for j, _ in order.next_jobs()] == [3, 4]

@@ -12,13 +12,17 @@ another would measure both. A sweep with any other task, or ``n_jobs`` outside 1
 machine's cores, is refused in one line before any point runs; ``n_jobs=1`` is the basic
 launcher.
 
-Each worker composes and runs its points as the basic launcher does (``run_job``); the
-progress lines count over all workers (:class:`occult.runner.SharedProgress`), a failed point
-is reported to the sweep's process (``run.py`` exits non-zero), the other points go on.
+Each worker composes and runs its points as the basic launcher does (``run_job``), in the
+sweep's order; a point whose task writes a file later points read (``writes_artifact``:
+``task=place``'s placements, read by ``occult_placed`` points) ends before any later point
+starts. The progress lines count over all workers (:class:`occult.runner.SharedProgress`), a
+failed point is reported to the sweep's process (``run.py`` exits non-zero), the other points
+go on.
 """
 import logging
 import multiprocessing
 import os
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -71,9 +75,10 @@ class ParallelLauncher(Launcher):
             cfg.hydra.job.num = idx
         return cfg
 
-    def check(self, job_overrides: Sequence[Sequence[str]]) -> None:
+    def check(self, job_overrides: Sequence[Sequence[str]]) -> set:
         """Refuses, in one line, ``n_jobs`` outside 1 .. the cores, or side by side points of a
-        task that is not one-process (composes one point per :func:`point_shape`)."""
+        task that is not one-process (composes one point per :func:`point_shape`); returns the
+        shapes whose task writes a file later points read (``writes_artifact``: a placement)."""
         from occult.errors import ConfigError
         from occult.tasks.schema import task_config
 
@@ -82,24 +87,28 @@ class ParallelLauncher(Launcher):
             raise ConfigError(f"hydra.launcher.n_jobs={self.n_jobs}: allowed values are 1 to {cores} (this "
                               f"machine's cores: points side by side on shared cores would slow each other)")
         if self.n_jobs == 1:
-            return
-        first = {}
+            return set()
+        first, barriers = {}, set()
         for point in job_overrides:
             first.setdefault(point_shape(point), point)
-        for point in first.values():
+        for shape, point in first.items():
             task = task_config(self.compose(point, 0).task)
             if not task.one_process:
                 raise ConfigError(f"hydra.launcher.n_jobs={self.n_jobs}: task={task.name} starts ranks and times "
                                   f"them, so its points cannot run side by side; allowed: hydra.launcher.n_jobs=1, "
                                   f"or a sweep of one-process tasks (simulate, place, placement_load)")
+            if task.writes_artifact:
+                barriers.add(shape)
+        return barriers
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         global _ACTIVE
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-        self.check(job_overrides)
+        barriers = self.check(job_overrides)
         jobs = [(initial_job_idx + i, list(o)) for i, o in enumerate(job_overrides)]
+        waits = {idx for idx, o in jobs if point_shape(o) in barriers}
         workers = min(self.n_jobs, len(jobs))
         log.info(f"Launching {len(jobs)} jobs locally, {workers} at a time")
         if workers <= 1:
@@ -109,30 +118,32 @@ class ParallelLauncher(Launcher):
         if not isinstance(runner.PROGRESS, runner.SharedProgress):
             runner.PROGRESS = runner.SharedProgress()
         _ACTIVE = self
-        returns, failed = run_forked(jobs, workers)
+        returns, failed = run_forked(jobs, workers, waits)
         runner.FAILED_POINTS.extend(failed)
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return [returns[idx] for idx, _ in jobs]
 
 
-def run_forked(jobs: list, workers: int) -> tuple:
-    """``jobs`` ([(idx, overrides)]) on ``workers`` forked processes (not daemons: a point
-    starts its ranks' processes), each taking the next job when done: ({idx: JobReturn},
-    the failed points' folders). A worker that dies mid-point (a crash, not an error, which
-    the point records) stops the sweep with a one-line error naming that point."""
+def run_forked(jobs: list, workers: int, barriers: set = frozenset()) -> tuple:
+    """``jobs`` ([(idx, overrides)]) in order on ``workers`` forked processes (not daemons: a
+    point starts its ranks' processes), each taking the next job when done; no job starts
+    while a job of ``barriers`` (idx: a point that writes a file later points read) runs.
+    Returns ({idx: JobReturn}, the failed points' folders). A worker that dies mid-point (a
+    crash, not an error, which the point records) stops the sweep with a one-line error."""
     import queue
 
     ctx = multiprocessing.get_context("fork")
     todo, done = ctx.Queue(), ctx.Queue()
-    for job in jobs:
-        todo.put(job)
-    for _ in range(workers):
-        todo.put(None)
     procs = [ctx.Process(target=_worker, args=(todo, done), name=f"occult-point-{i}") for i in range(workers)]
     for p in procs:
         p.start()
-    returns, failed, running = {}, [], {}
+    order, returns, failed, running = Handout(jobs, workers, barriers), {}, [], {}
+
+    def hand_out() -> None:
+        for job in order.next_jobs():
+            todo.put(job)
     try:
+        hand_out()
         while len(returns) < len(jobs):
             try:
                 kind, pid, idx, *rest = done.get(timeout=1.0)
@@ -145,16 +156,43 @@ def run_forked(jobs: list, workers: int) -> tuple:
                 continue
             if kind == "start":
                 running[pid] = idx
-            else:
-                returns[idx] = rest[0]
-                failed += rest[1]
-                running.pop(pid, None)
+                continue
+            returns[idx] = rest[0]
+            failed += rest[1]
+            running.pop(pid, None)
+            order.ended(idx)
+            hand_out()
     finally:
+        for _ in procs:
+            todo.put(None)
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
     return returns, failed
+
+
+class Handout:
+    """Which jobs may start: in order, at most ``workers`` at once, none while a job of
+    ``barriers`` (its idx) runs (it writes a file a later point reads)."""
+
+    def __init__(self, jobs: list, workers: int, barriers=frozenset()) -> None:
+        self.pending = deque(jobs)
+        self.workers = workers
+        self.barriers = set(barriers)
+        self.handed: set = set()
+
+    def next_jobs(self) -> list:
+        """The jobs to start now (removed from the pending ones)."""
+        out = []
+        while self.pending and len(self.handed) < self.workers and not self.handed & self.barriers:
+            job = self.pending.popleft()
+            self.handed.add(job[0])
+            out.append(job)
+        return out
+
+    def ended(self, idx: int) -> None:
+        self.handed.discard(idx)
 
 
 def _worker(todo, done) -> None:

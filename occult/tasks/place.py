@@ -54,6 +54,7 @@ class Config(RoutedWorld, LoadCapped):
     split: str = "train"
     optimiser: str = "swap_search"
     time_limit_s: float = 10.0
+    writes_artifact: ClassVar[bool] = True      # placements.json, read by occult_placed points
 
     entry: ClassVar[str] = "occult.tasks.place.run"
     uses_system: ClassVar[bool] = False          # it places experts; no system runs

@@ -68,6 +68,9 @@ class TaskConf:
     # and what times its rows (the ``clock`` column; "": the cluster's clock)
     one_process: ClassVar[bool] = False
     clock: ClassVar[str] = ""
+    # the task writes a file that later points of a sweep read (a placement): a launcher that
+    # runs points side by side starts no later point before it ends
+    writes_artifact: ClassVar[bool] = False
 
     @classmethod
     def option_names(cls) -> list:
