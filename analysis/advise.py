@@ -38,14 +38,16 @@ dense layers are not modelled. Tokens per second per GPU: tokens per rank / that
 tokens per rank fixed it orders the rows as the time does; the bound and the memory fit decide
 which qualify). The best per GPU: the most tokens per second per GPU among the rows within the
 bound that fit (or why none qualifies). Memory per GPU
-(:func:`analysis.figures.scale_study.memory_GB`, the scale study's): the MoE layers' expert
-weights a rank holds (E / P experts x 3 D F elements x MoE layers) plus its largest dispatch
-buffer (received rows x D elements); attention, dense layers and caches are the same for every
-strategy and not counted. Shapes: P ranks.
+(:func:`analysis.figures.scale_study.memory_GB`, the scale study's): the MoE layers' routed
+expert weights a rank holds (E / P experts x 3 D F elements x MoE layers) plus its largest
+dispatch buffer (received rows x D elements); attention, shared experts, dense layers,
+embeddings and caches are on every GPU too and not counted, so its fit is necessary, not
+sufficient. Shapes: P ranks.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import subprocess
@@ -131,6 +133,11 @@ def parse(argv) -> Request:
                 raise ValueError(f"{name}={kv[name]}: allowed values are "
                                  + ("comma-separated integers" if name == "world_sizes" else
                                     "a number of ms" if name == "latency_ms" else "an integer")) from None
+    if "latency_ms" in kv and not (math.isfinite(kv["latency_ms"]) and kv["latency_ms"] > 0):
+        raise ValueError(f"latency_ms={kv['latency_ms']:g}: allowed values are a number of ms > 0")
+    if kv.get("devices_per_node", 0) < 0:
+        raise ValueError(f"devices_per_node={kv['devices_per_node']}: allowed values are 0 (the profile's nodes) "
+                         "or a node size > 0")
     allowed = candidates()
     if "systems" in kv:
         kv["systems"] = tuple(s for s in kv["systems"].split(",") if s)
@@ -210,8 +217,10 @@ def grouped(profile, per_node: int):
         return profile
     if not profile.calibration:
         raise ValueError(f"devices_per_node={per_node}: profile={profile.name} states its own nodes")
+    # one link (loopback) carries both: priced in series (overlap off), not as two links at once
     nodes = {P: dataclasses.replace(link, devices_per_node=per_node, inter_Bps=link.intra_Bps,
-                                    inter_latency_s=link.intra_latency_s, inter_message_s=link.intra_message_s)
+                                    inter_latency_s=link.intra_latency_s, inter_message_s=link.intra_message_s,
+                                    overlap=False)
              for P, link in profile.calibration.items()}
     return dataclasses.replace(profile, calibration=nodes)
 
@@ -339,7 +348,7 @@ def ranked(df: pd.DataFrame, req: Request) -> pd.DataFrame:
     per layer."""
     profile = profile_of(req)
     sim = df[(df.task == "simulate") & (df.clock == "simulated")]
-    gpu = per_gpu(point_table(sim), projected(sim, [profile]), req.latency_ms)
+    gpu = per_gpu(point_table(sim), projected(sim, [profile]), req.latency_ms, {profile.name: profile})
     table = gpu.sort_values(["moe_layer_ms", "world_size"]).reset_index(drop=True)
     table.insert(0, "rank", np.arange(1, len(table) + 1))
     table["per_GPU_rank"] = table.tokens_per_s_per_GPU.rank(ascending=False, method="min").astype(int)
@@ -397,8 +406,8 @@ def rests_on(req: Request, df: pd.DataFrame) -> list:
             f"{' (resampled with replacement)' if resampled else ''}, MoE layers {layers}",
             f"times: projected by the cost model on profile {profile.name} ({profile.source})"
             + ("; its links are measured (a calibration)" if profile.calibration else ""),
-            "experts: the busiest rank's rows at balanced load (tokens per rank x K); memory: expert weights of "
-            "every MoE layer plus the largest dispatch buffer, per GPU",
+            "experts: the busiest rank's rows at balanced load (tokens per rank x K); memory: routed experts' "
+            "weights of every MoE layer plus the largest dispatch buffer, per GPU, and its fit a necessary condition, not a sufficient one: attention, shared experts, dense layers, embeddings and caches sit on every GPU too and are not counted",
             f"per step: MoE-layer ms x the model's {req_layers(req)} MoE layers; attention and dense layers are not "
             "modelled (the per-step bound and the tokens/s per GPU are the MoE layers' alone); with tokens per rank "
             "fixed, tokens/s per GPU orders the rows as the MoE-layer time does: the bound and the memory fit decide "

@@ -58,7 +58,7 @@ def stamp(df: pd.DataFrame, experiment: str, command: str, docs_dir: Path) -> li
     now = datetime.now(timezone.utc)
     rows = [("experiment", f"`{experiment}`"),
             ("measured by", f"`python run.py experiment={experiment}` ({df.run_id.nunique()} runs"
-                            + (f", {wall:.1f} min of points" if wall else "") + ")"),
+                            + (f", {wall:.1f} min of points, summed over points" if wall else "") + ")"),
             ("runs' commit", _values(df, "git_commit")),
             ("runs' dates", span),
             ("machine", f"{_values(df, 'device')} ({_values(df, 'hostname')}), torch {_values(df, 'torch_version')}"),

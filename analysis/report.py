@@ -111,8 +111,9 @@ def _wall_time(df: pd.DataFrame) -> str:
     if wall.empty:
         return ""
     n = wall.run_id.nunique()
-    return (f" The {n} point(s) with a recorded wall time ran for {wall.value.sum() / 60:.1f} min in all "
-            "(start-up and any proxy pre-training included; reports and skipped points not).")
+    return (f" The {n} point(s) with a recorded wall time ran for {wall.value.sum() / 60:.1f} min in all, summed "
+            "over points (points run side by side each count their own; start-up and any proxy pre-training "
+            "included; reports and skipped points not).")
 
 
 def builders_of(df: pd.DataFrame) -> tuple[str, dict]:

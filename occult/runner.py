@@ -134,7 +134,12 @@ def before_sweep(points, compose, sweep_dir) -> list:
     for name, s in todo.items():
         log.warning(announce(s))
         t0 = time.perf_counter()
-        ensure_trained(s)
+        try:
+            ensure_trained(s)
+        except Exception as exc:  # noqa: BLE001 - its points fail at their turn, with error.txt
+            log.error("before the sweep: pre-training %s failed (%s); its points will fail at their turn",
+                      s.model.name, cause_line(exc))
+            continue
         done.append({"what": f"pre-trained {s.model.name} ({name})", "seconds": round(time.perf_counter() - t0, 1)})
         log.warning("before the sweep: %s in %s", done[-1]["what"], _minutes(done[-1]["seconds"]))
     record_sweep_cost(sweep_dir, setup=done)
@@ -354,8 +359,8 @@ class SharedProgress(Progress):
         total = os.environ.get(SWEEP_POINTS_ENV)
         left = ""
         if total and ended > skipped + set_up:
-            per_point = (time.time() - self._since) / ended
-            left = f", about {_minutes(per_point * (int(total) - ended))} left"
+            per_point = (time.time() - self._since) / (ended - skipped)      # skipped points take no time
+            left = f", about {_minutes(per_point * (int(total) - ended) * (1 - skipped / ended))} left"
         of = f"/{total}" if total else ""
         log.info("[point %d%s] %s (%d done%s)", started, of, overrides or "(no overrides)", ended, left)
 

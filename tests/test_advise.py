@@ -59,6 +59,24 @@ def test_the_comm_fixture_was_measured_at_one_clean_commit_with_ten_samples_a_sy
     assert len(commits) == 1 and not commits[0].endswith("+dirty"), f"re-measure at one clean commit: {commits}"
 
 
+@pytest.mark.timeout(240)
+def test_the_advisor_orders_the_comm_bound_pairs_that_separate_as_measured(tmp_path):
+    """Of the three fixed pairs, those whose samples separate in the committed fixture (occult /
+    naive in it) must be ordered by the advisor as measured; none separating fails."""
+    lat = pd.read_csv(FIXTURES / "comm_p4" / "latency.csv")
+    st = FIX.stats(lat)
+    pairs = [(a, b) for a, b in PAIRS if FIX.separation(st, a, b) > 1]
+    assert pairs, explained(["no fixed pair separates: re-measure (tests/fixtures/make_strategies_p4.py)"], st, {})
+    first = lat.iloc[0]
+    projected, notes = advised(tmp_path, sorted({s for pair in pairs for s in pair}), model=first.model,
+                               phase="prefill", routing="uniform", sample_layers=0,
+                               tokens_per_rank=int(first.tokens_per_rank), world_size=int(first.world_size),
+                               devices_per_node=int(first.devices_per_node))
+    assert any("sim_cpu_loopback" in n and "measured" in n for n in notes), notes
+    problems = FIX.failures(st, projected, pairs)
+    assert not problems, explained(problems, st, projected)
+
+
 # Measured on this 2-core machine at one clean commit, quiet (tests/fixtures/comm_p4, load 1.1
 # to 1.9): only occult / naive separates (1.61); hierarchical / naive (0.41) and occult /
 # hierarchical (0.95) overlap: 4 ranks share 2 cores and a layer's time jumps by about 250 ms

@@ -146,6 +146,9 @@ def test_the_agreement_text_counts_what_the_points_show():
      "world_size= and world_sizes= together"),
     (["model=deepseek_v3", "profile=sim_h200_nodes", "world_sizes=32,x"], "world_sizes=32,x: allowed values are"),
     (["model=deepseek_v3", "profile=sim_h200_nodes", "latency_ms=fast"], "latency_ms=fast: allowed values are"),
+    (["model=deepseek_v3", "profile=sim_h200_nodes", "latency_ms=-5"], "latency_ms=-5: allowed values are a number"),
+    (["model=deepseek_v3", "profile=sim_h200_nodes", "latency_ms=nan"], "latency_ms=nan: allowed values are a number"),
+    (["model=m", "profile=sim_cpu_loopback", "devices_per_node=-2"], "devices_per_node=-2: allowed values are 0"),
 ])
 def test_bad_world_sizes_and_bounds_are_one_line_errors(argv, line):
     with pytest.raises(ValueError, match=line) as err:
@@ -181,3 +184,13 @@ def test_the_advisors_points_are_one_sweep_with_each_worlds_layout(tmp_path):
     line = ("[2026-12-05][occult][INFO] - [point 3/9] +workload=decode,cluster.world_size=32,system.dedup=node,"
             "system=hierarchical,task=simulate (2 done, about 20 s left)")
     assert progress_line(line) == "  [point 3/9] P=32 hierarchical_node (2 done, about 20 s left)"
+
+
+def test_the_layouts_table_names_the_strategies_one_node_lacks():
+    from analysis.figures.scale_study import domain_text
+    dom = pd.DataFrame([{"model": "m", "workload": "decode", "world_size": 16, "moves": "yes"}])
+    table = pd.DataFrame([{"model": "m", "world_size": 16, "devices_per_node": d, "strategy": s}
+                          for d, s in ((8, "naive"), (8, "hierarchical_device"), (16, "naive"))])
+    text = domain_text(dom, table)
+    assert "moves in 1 of 1 rows" in text and "one-node points have no hierarchical_device" in text
+    assert "have no" not in domain_text(dom, table[table.strategy == "naive"])

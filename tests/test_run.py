@@ -147,14 +147,14 @@ def test_the_parallel_launcher_runs_one_process_points_side_by_side_as_the_basic
     assert not list((tmp_path / "timed").rglob("results.parquet"))
 
 
-def test_the_parallel_launcher_refuses_more_jobs_than_cores():
-    import os
-
-    from hydra_plugins.occult_sweepers.parallel_launcher import ParallelLauncher
+def test_the_parallel_launcher_refuses_no_jobs_and_runs_at_most_a_job_a_core():
+    from hydra_plugins.occult_sweepers.parallel_launcher import ParallelLauncher, usable_cores
     from occult.errors import ConfigError
-    for n in (0, (os.cpu_count() or 1) + 1):
-        with pytest.raises(ConfigError, match=rf"hydra.launcher.n_jobs={n}: allowed values are 1 to"):
+    for n in (0, -1):
+        with pytest.raises(ConfigError, match=rf"hydra.launcher.n_jobs={n}: allowed values are 1 or more"):
             ParallelLauncher(n_jobs=n).check([])
+    assert ParallelLauncher(n_jobs=usable_cores() + 3).jobs() == usable_cores()
+    assert ParallelLauncher(n_jobs=1).jobs() == 1
 
 
 def test_the_parallel_launcher_starts_nothing_while_a_point_that_writes_a_file_runs():
@@ -169,3 +169,7 @@ def test_the_parallel_launcher_starts_nothing_while_a_point_that_writes_a_file_r
     assert order.next_jobs() == []                            # point 3 waits for it
     order.ended(2)
     assert [j for j, _ in order.next_jobs()] == [3, 4]
+    writers = Handout([(i, []) for i in range(4)], workers=2, barriers={0, 1})
+    assert [j for j, _ in writers.next_jobs()] == [0, 1]      # a writer starts beside another
+    writers.ended(0)
+    assert writers.next_jobs() == []                          # a reader waits for every writer running

@@ -221,9 +221,10 @@ def moe_layers(model) -> int:
 
 
 def memory_GB(model, P: int, element_bytes: int, received_max_rows: float) -> float:
-    """Per GPU: the expert weights of every MoE layer (E / P experts of 3 D F elements) plus the
-    largest dispatch buffer (``received_max_rows`` x D elements); attention, dense layers and
-    caches are the same for every strategy and not counted."""
+    """Per GPU: the routed experts' weights of every MoE layer (E / P experts of 3 D F elements)
+    plus the largest dispatch buffer (``received_max_rows`` x D elements). Attention, shared
+    experts, dense layers, embeddings and caches sit on every GPU too and are not counted (the
+    same for every strategy), so fitting ``memory_GB`` by this is necessary, not sufficient."""
     weights = model.num_experts / P * 3 * model.hidden_size * model.expert_ffn_size * moe_layers(model)
     return (weights + received_max_rows * model.hidden_size) * element_bytes / 1e9
 
@@ -237,18 +238,19 @@ def bound_of(latency_ms, workload: str):
     return float(got) if got else None
 
 
-def per_gpu(points: pd.DataFrame, proj: pd.DataFrame, latency_ms=None) -> pd.DataFrame:
+def per_gpu(points: pd.DataFrame, proj: pd.DataFrame, latency_ms=None, profiles=None) -> pd.DataFrame:
     """Per point (:func:`point_table`) and profile it is projected on (:func:`projected`): the
     MoE layers' time of one step (``step_ms``: MoE-layer ms x the model's MoE layers; attention
     and dense layers are not modelled), the MoE layers' tokens per second per GPU (tokens per
     rank / step_ms), the memory per GPU (:func:`memory_GB`) and whether it fits the profile's
     ``memory_GB`` (yes when the profile states none), and whether the step is within the
-    workload's bound (:func:`bound_of`; yes without one)."""
+    workload's bound (:func:`bound_of`; yes without one). ``profiles``: ``{name: Profile}`` as
+    projected (a profile given as a file, or regrouped); by default each read by its name."""
     if points.empty or proj.empty:
         return pd.DataFrame()
     t = points.merge(proj[["run_id", "profile", "a2a_ms", "experts_ms", "moe_layer_ms"]], on="run_id")
     models = {m: read_conf("model", m) for m in t.model.unique()}
-    profiles = {p: load_profile(p) for p in t.profile.unique()}
+    profiles = {p: (profiles or {}).get(p) or load_profile(p) for p in t.profile.unique()}
     P = t.world_size.to_numpy(float)
     tokens = np.where(t.world_tokens > 0, t.world_tokens / P, t.tokens_per_rank)
     t["moe_layers"] = [moe_layers(models[m]) for m in t.model]
@@ -515,22 +517,32 @@ def per_gpu_text(best: pd.DataFrame, latency_ms) -> str:
     return ("**Best P per GPU under a latency bound** (`scale_study_per_gpu`): per model, workload and profile, the "
             "(P, strategy) with the most MoE tokens per second per GPU (tokens per rank / the MoE layers' projected "
             "time of one step: MoE-layer ms x the model's MoE layers; attention and dense layers are not modelled) "
-            "among the points whose step is within the workload's bound and whose memory per GPU (expert weights of "
-            "every MoE layer plus the largest dispatch buffer) fits the profile's `memory_GB`; `answer` says why "
+            "among the points whose step is within the workload's bound and whose memory per GPU (routed experts' "
+            "weights of every MoE layer plus the largest dispatch buffer) fits the profile's `memory_GB`: a necessary condition, not a sufficient one: attention, shared experts, dense layers, embeddings and caches sit on every GPU too and are not counted (a P that fits here may not fit a whole model); `answer` says why "
             f"none qualifies where none does. Bounds (report option `latency_ms`, the MoE layers' ms per step): "
             f"{bounds}. Every point's step, tokens/s per GPU and memory: `scale_study_per_gpu_points.csv`.")
 
 
-def domain_text(dom: pd.DataFrame) -> str:
-    """What the layouts' table says, counted."""
+def domain_text(dom: pd.DataFrame, table: pd.DataFrame = None) -> str:
+    """What the layouts' table says, counted; the strategies one layout's points lack at the P
+    of the table (from ``table``, :func:`study_table`: a strategy not simulated there cannot be
+    its best)."""
     if dom.empty:
         return "No P is covered by profiles of two layouts in these runs (nodes of 8 and one NVLink domain)."
     moved = dom[dom.moves == "yes"]
+    lacking = ""
+    if table is not None and not table.empty:
+        at = table[table.world_size.isin(set(dom.world_size)) & table.model.isin(set(dom.model))]
+        one = at.devices_per_node >= at.world_size
+        missing = sorted(set(at[~one].strategy) - set(at[one].strategy))
+        if missing:
+            lacking = (f" The one-node points have no {', '.join(missing)} (not simulated there), so where the "
+                       "nodes-of-8 best is one of them, the move says what the other strategies do in one node.")
     return ("**When EP fits one NVLink domain** (`scale_study_nvlink_domain`): at each model, workload and P that "
             "profiles of different node layouts cover, each profile's best strategy on its own layout's points. "
             f"The best strategy moves in {len(moved)} of {len(dom)} rows"
             + (": " + "; ".join(f"{r.model} {r.workload} P = {r.world_size}" for r in moved.itertuples())
-               if 0 < len(moved) <= 12 else "") + ".")
+               if 0 < len(moved) <= 12 else "") + "." + lacking)
 
 
 def build(df: pd.DataFrame, out_dir, profiles=DEFAULT_PROFILES, latency_ms=None) -> list:
@@ -585,7 +597,7 @@ def build(df: pd.DataFrame, out_dir, profiles=DEFAULT_PROFILES, latency_ms=None)
             text.append(f"**Why `{a}` and `{b}` agree, and where they do not** (from the profiles' fields and these "
                         "points):")
             text += agreement_text(a, b, gpu, cross, best)
-    text.append(domain_text(dom))
+    text.append(domain_text(dom, table))
     if not dom.empty:
         write_table(dom, out_dir, "scale_study_nvlink_domain")
         tables.append(("scale_study_nvlink_domain", dom))

@@ -3,21 +3,22 @@ process forked from the sweep's (Hydra's basic launcher runs them one after anot
 
     python run.py -m task=simulate ... hydra/launcher=occult_parallel hydra.launcher.n_jobs=2
 
-For sweeps of many cheap one-process points (``experiment=scale_study``: about 1,500
+For sweeps of many cheap one-process points (``experiment=scale_study``: about 1,200
 simulated worlds of a second each), where the points, not their work, cost the time: the
 basic launcher runs a point's rank while the sweep's own process waits, so one of two cores
 idles. Only points of a one-process task that measures no collective time may run side by side
 (``one_process`` tasks: ``simulate``, ``place``, ``placement_load``): a timed point beside
-another would measure both. A sweep with any other task, or ``n_jobs`` outside 1 .. the
-machine's cores, is refused in one line before any point runs; ``n_jobs=1`` is the basic
-launcher.
+another would measure both. A sweep with any other task, or ``n_jobs`` below 1, is refused in
+one line before any point runs; ``n_jobs`` above the cores this process may use runs as many as
+there are cores; ``n_jobs=1`` is the basic launcher.
 
 Each worker composes and runs its points as the basic launcher does (``run_job``), in the
 sweep's order; a point whose task writes a file later points read (``writes_artifact``:
 ``task=place``'s placements, read by ``occult_placed`` points) ends before any later point
-starts. The progress lines count over all workers (:class:`occult.runner.SharedProgress`), a
-failed point is reported to the sweep's process (``run.py`` exits non-zero), the other points
-go on.
+starts but another writer. The progress lines count over all workers
+(:class:`occult.runner.SharedProgress`), a failed point is reported to the sweep's process
+(``run.py`` exits non-zero), the other points go on; a worker that dies stops the sweep in one
+line, the points that ended written.
 """
 import logging
 import multiprocessing
@@ -48,6 +49,11 @@ class ParallelLauncherConf:
 ConfigStore.instance().store(group="hydra/launcher", name="occult_parallel", node=ParallelLauncherConf,
                              provider="occult")
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 # the launcher whose points the forked workers run (set before they fork; read in _run_point)
 _ACTIVE: Optional["ParallelLauncher"] = None
 
@@ -67,6 +73,11 @@ class ParallelLauncher(Launcher):
         self.hydra_context = hydra_context
         self.task_function = task_function
 
+    def jobs(self) -> int:
+        """Points at a time: ``n_jobs``, at most the cores this process may use (points side by
+        side on shared cores would slow each other)."""
+        return max(1, min(self.n_jobs, usable_cores()))
+
     def compose(self, overrides, idx: int) -> DictConfig:
         """A point's config, as the basic launcher composes it."""
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
@@ -76,17 +87,16 @@ class ParallelLauncher(Launcher):
         return cfg
 
     def check(self, job_overrides: Sequence[Sequence[str]]) -> set:
-        """Refuses, in one line, ``n_jobs`` outside 1 .. the cores, or side by side points of a
+        """Refuses, in one line, ``n_jobs`` below 1, or side by side points of a
         task that is not one-process (composes one point per :func:`point_shape`); returns the
         shapes whose task writes a file later points read (``writes_artifact``: a placement)."""
         from occult.errors import ConfigError
         from occult.tasks.schema import task_config
 
-        cores = os.cpu_count() or 1
-        if not 1 <= self.n_jobs <= cores:
-            raise ConfigError(f"hydra.launcher.n_jobs={self.n_jobs}: allowed values are 1 to {cores} (this "
-                              f"machine's cores: points side by side on shared cores would slow each other)")
-        if self.n_jobs == 1:
+        if self.n_jobs < 1:
+            raise ConfigError(f"hydra.launcher.n_jobs={self.n_jobs}: allowed values are 1 or more (points at a "
+                              f"time, at most this machine's {usable_cores()} cores are used)")
+        if self.jobs() == 1:
             return set()
         first, barriers = {}, set()
         for point in job_overrides:
@@ -109,7 +119,9 @@ class ParallelLauncher(Launcher):
         barriers = self.check(job_overrides)
         jobs = [(initial_job_idx + i, list(o)) for i, o in enumerate(job_overrides)]
         waits = {idx for idx, o in jobs if point_shape(o) in barriers}
-        workers = min(self.n_jobs, len(jobs))
+        workers = min(self.jobs(), len(jobs))
+        if self.jobs() < self.n_jobs:
+            log.info(f"hydra.launcher.n_jobs={self.n_jobs}: {self.jobs()} at a time, this machine's cores")
         log.info(f"Launching {len(jobs)} jobs locally, {workers} at a time")
         if workers <= 1:
             return [_run(self, idx, overrides)[0] for idx, overrides in jobs]
@@ -148,11 +160,12 @@ def run_forked(jobs: list, workers: int, barriers: set = frozenset()) -> tuple:
             try:
                 kind, pid, idx, *rest = done.get(timeout=1.0)
             except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0) and p.pid in running]
-                if dead:
-                    raise RuntimeError(f"a point's process (pid {dead[0].pid}) died with exit code {dead[0].exitcode} "
-                                       f"while running point #{running[dead[0].pid]}; the points that ended are "
-                                       f"written: rerun the same command to run the rest")
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead or not any(p.is_alive() for p in procs):
+                    lost = sorted(order.handed) or sorted(idx for idx, _ in order.pending)
+                    raise RuntimeError(f"a point's process died ({', '.join(f'pid {p.pid}, exit code {p.exitcode}' for p in dead) or 'every worker ended'}) "
+                                       f"with point(s) #{', #'.join(map(str, lost))} not ended; the points that ended "
+                                       f"are written: rerun the same command to run the rest")
                 continue
             if kind == "start":
                 running[pid] = idx
@@ -183,10 +196,14 @@ class Handout:
         self.handed: set = set()
 
     def next_jobs(self) -> list:
-        """The jobs to start now (removed from the pending ones)."""
+        """The jobs to start now (removed from the pending ones): a job that writes starts beside
+        earlier ones (it reads none of their files); any other waits for the writers running."""
         out = []
-        while self.pending and len(self.handed) < self.workers and not self.handed & self.barriers:
-            job = self.pending.popleft()
+        while self.pending and len(self.handed) < self.workers:
+            job = self.pending[0]
+            if self.handed & self.barriers and job[0] not in self.barriers:
+                break
+            self.pending.popleft()
             self.handed.add(job[0])
             out.append(job)
         return out
@@ -197,6 +214,8 @@ class Handout:
 
 def _worker(todo, done) -> None:
     """A forked process's loop: runs jobs of ``todo`` until its ``None``, reporting to ``done``."""
+    import torch
+    torch.set_num_threads(1)        # forked from a process whose thread pool may have started (pre-training)
     while True:
         job = todo.get()
         if job is None:

@@ -30,6 +30,7 @@ Shapes: N source tokens, W = T P world tokens, T tokens of a rank, K top-k, E ex
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -384,7 +385,8 @@ SYNTHETIC_VERSION = 1
 def synthetic_key(cfg, salt: int) -> str:
     """What a synthetic draw depends on: the model's E, K and gate normalisation, the
     popularity (``task.routing``, ``task.zipf_s``), the tokens, the sampled layers, the seed,
-    the salt, torch's version (its generator) and :data:`SYNTHETIC_VERSION`."""
+    the salt, torch's version (its generator), :data:`SYNTHETIC_VERSION` and the code that
+    draws (:func:`draw_code_digest`)."""
     import hashlib
     import json
 
@@ -392,8 +394,19 @@ def synthetic_key(cfg, salt: int) -> str:
     key = {"num_experts": m.num_experts, "top_k": m.top_k, "norm_topk_prob": m.norm_topk_prob,
            "routing": t.routing, "zipf_s": t.zipf_s if t.routing == "zipf" else None,
            "tokens": t.synthetic_tokens, "layers": task_layers(m, t.sample_layers), "seed": cfg.seed, "salt": salt,
-           "torch": torch.__version__, "version": SYNTHETIC_VERSION}
+           "torch": torch.__version__, "version": SYNTHETIC_VERSION, "code": draw_code_digest()}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+@functools.lru_cache(maxsize=1)
+def draw_code_digest() -> str:
+    """sha256 of the source of the functions a synthetic draw runs (the draw, the Gumbel keys,
+    the popularity, the gate weights): a change to any of them makes earlier draws unread."""
+    import hashlib
+    import inspect
+
+    parts = [_draw_synthetic, gumbel_keys, expert_popularity, gate_weights]
+    return hashlib.sha256("".join(inspect.getsource(f) for f in parts).encode()).hexdigest()[:16]
 
 
 def cached_synthetic(cfg, salt: int, compute) -> dict:
