@@ -6,7 +6,7 @@ knobs in ``report_options``, the one way an experiment attaches its report
 (:mod:`analysis.figures`).
 
 It also records what the sweep cost in ``sweep_cost.json`` beside the points
-(:data:`occult.runner.SWEEP_COST_FILE`, which the published report states): the points'
+(:data:`occult.records.SWEEP_COST_FILE`, which the published report states): the points'
 wall time (from the sweep's start to its last point: Hydra's composition of every point
 included, any pre-training before the points not: :func:`occult.runner.before_sweep` records
 that apart) and the report's, each with its peak memory: the resident memory of this process
@@ -121,12 +121,12 @@ class SweepReport(Callback):
         self.started = None          # (time, TreeMemory) of the running multirun
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        from occult.runner import SWEEP_COST_FILE
+        from occult.records import SWEEP_COST_FILE
         (Path(config.hydra.sweep.dir) / SWEEP_COST_FILE).unlink(missing_ok=True)     # this command's cost only
         self.started = (time.perf_counter(), TreeMemory().start())
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        from occult.runner import SWEEP_COST_FILE, record_sweep_cost
+        from occult.records import SWEEP_COST_FILE, record_sweep_cost
         sweep_dir = Path(config.hydra.sweep.dir)
         if os.environ.get("RANK", "0") != "0":       # under torchrun every rank runs the sweep; rank 0 reports
             return

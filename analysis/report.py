@@ -166,12 +166,12 @@ def write_report(paths, out_dir, builders=None, options=None, publish_dir=None, 
 
 def cost_section(paths) -> list[Section]:
     """What the sweeps under ``paths`` cost, from their ``sweep_cost.json``
-    (:data:`occult.runner.SWEEP_COST_FILE`): set-up before the points (pre-training), the
+    (:data:`occult.records.SWEEP_COST_FILE`): set-up before the points (pre-training), the
     points and the sweep's report, each with its wall time and peak memory; [] where no
     folder records it."""
     import json
 
-    from occult.runner import SWEEP_COST_FILE
+    from occult.records import SWEEP_COST_FILE
     found = [Path(p) / SWEEP_COST_FILE for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
     lines = []
     for path in (p for p in found if p.is_file()):

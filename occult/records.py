@@ -217,3 +217,18 @@ def write_results(df: pd.DataFrame, out_dir) -> Path:
 
 def has_results(out_dir) -> bool:
     return (Path(out_dir) / RESULTS_FILE).is_file()
+
+
+# a sweep folder's record of what it cost: set-up before the points (pre-training), the points,
+# the report (occult.runner.before_sweep writes the first, analysis.callbacks.SweepReport the others)
+SWEEP_COST_FILE = "sweep_cost.json"
+
+
+def record_sweep_cost(sweep_dir, **parts) -> Path:
+    """Adds ``parts`` to ``<sweep_dir>/sweep_cost.json`` (:data:`SWEEP_COST_FILE`), atomically."""
+    import json
+    path = Path(sweep_dir) / SWEEP_COST_FILE
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda p: Path(p).write_text(json.dumps({**old, **parts}, indent=1) + "\n"))
+    return path

@@ -29,8 +29,8 @@ from .dist import WHOLE_MODEL_PRELOAD, RankFailed, broadcast_from_rank0, job_wor
 from .ep import import_object, system_config
 from .ep.measure import clock_name
 from .errors import ConfigError
-from .records import (config_diff, config_hash, has_results, hashed_config, make_frame, read_run_config, row,
-                      without_later, write_results, write_run_config)
+from .records import (config_diff, config_hash, has_results, hashed_config, make_frame, read_run_config,
+                      record_sweep_cost, row, without_later, write_results, write_run_config)
 from .spec import RunSpec
 from .tasks.schema import task_config
 from .validate import validate
@@ -45,9 +45,6 @@ SETUP_DONE: list = []
 NOTED: set = set()
 # the number of points of the running sweep (set by the sweeper, read for progress lines)
 SWEEP_POINTS_ENV = "OCCULT_SWEEP_POINTS"
-# a sweep folder's record of what it cost: set-up before the points (pre-training), the points,
-# the report (analysis.callbacks.SweepReport writes the last two)
-SWEEP_COST_FILE = "sweep_cost.json"
 # override keys whose values decide which checkpoint a point's preparation loads (the model, its
 # pre-training, the seed, the task and its routing source); points that differ only in other
 # keys (system, cluster, workload, ...) load the same checkpoints
@@ -144,16 +141,6 @@ def before_sweep(points, compose, sweep_dir) -> list:
         log.warning("before the sweep: %s in %s", done[-1]["what"], _minutes(done[-1]["seconds"]))
     record_sweep_cost(sweep_dir, setup=done)
     return done
-
-
-def record_sweep_cost(sweep_dir, **parts) -> Path:
-    """Adds ``parts`` to ``<sweep_dir>/sweep_cost.json`` (:data:`SWEEP_COST_FILE`)."""
-    import json
-    path = Path(sweep_dir) / SWEEP_COST_FILE
-    old = json.loads(path.read_text()) if path.is_file() else {}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**old, **parts}, indent=1) + "\n")
-    return path
 
 
 def run_context(spec: RunSpec) -> dict:

@@ -261,7 +261,8 @@ def test_the_proxies_a_sweep_loads_are_pretrained_before_its_points(tmp_path, mo
     text = caplog.text
     assert "2 proxy checkpoint(s)" in text and "olmoe_proxy (about 2 min)" in text
     assert text.index("2 proxy checkpoint(s)") < text.index("pre-training model=olmoe_proxy")
-    assert json.loads((tmp_path / runner.SWEEP_COST_FILE).read_text())["setup"] == done
+    from occult.records import SWEEP_COST_FILE
+    assert json.loads((tmp_path / SWEEP_COST_FILE).read_text())["setup"] == done
     assert [d["what"] for d in done] == ["pre-trained olmoe_proxy (olmoe_proxy-key)",
                                          "pre-trained mixtral_proxy (mixtral_proxy-key)"]
 

@@ -33,8 +33,8 @@ the point's keys do not exist; an escaped ``\${...}`` is resolved twice there).
 It is the default sweeper of every multirun (``conf/config.yaml``): without grid
 names it sweeps like Hydra's basic sweeper. A point whose overrides would name a
 folder longer than the file system allows gets a shortened name with a digest. It announces the number of points to
-the runner (for the progress lines: points done of all, time left) and, before the first
-point, pre-trains the proxies the points load that are not cached
+the runner (for the progress lines: points done of all, time left) and, once the first batch
+composes and before its first point, pre-trains the proxies the points load that are not cached
 (:func:`occult.runner.before_sweep`). Everything
 else (batching, launching, resume through ``run.py``) is Hydra's basic sweeper.
 """
@@ -73,6 +73,8 @@ def point_shape(point) -> tuple:
 
 class GridsSweeper(BasicSweeper):
     """Hydra's basic sweeper, over the union of named grids (``<grid>/<key>`` params)."""
+
+    _unprepared = None      # every point of the sweep until its set-up ran (:meth:`validate_batch_is_legal`)
 
     def _grids(self) -> "OrderedDict[str, dict]":
         """{grid name: {key: value}}; shared keys go into every grid (name "" when no grid is named)."""
@@ -124,6 +126,9 @@ class GridsSweeper(BasicSweeper):
         for point in batch:
             first.setdefault(point_shape(point), point)
         super().validate_batch_is_legal(list(first.values()))
+        if self._unprepared is not None:          # the first batch composes: the sweep's set-up now
+            points, self._unprepared = self._unprepared, None
+            self._before_points(points)
 
     def _before_points(self, points: list) -> None:
         """What the sweep needs before its first point (:func:`occult.runner.before_sweep`:
@@ -156,7 +161,7 @@ class GridsSweeper(BasicSweeper):
                         points.append(point)
         os.environ[SWEEP_POINTS_ENV] = str(len(points))
         points = [self._short_folder(point) for point in points]
-        self._before_points(points)
+        self._unprepared = points      # set up (pre-training) once the first batch composes: bad input first
         if max_batch_size is None or max_batch_size <= 0:
             return [points]
         return [points[i:i + max_batch_size] for i in range(0, len(points), max_batch_size)]
