@@ -52,14 +52,18 @@ def _children(pid: int) -> list:
     return out
 
 
-def tree_rss_bytes(root: int) -> int:
-    """Resident bytes of process ``root`` and every process under it (Linux ``/proc``)."""
-    total, todo = 0, [root]
+def _tree(root: int):
+    """Process ``root`` and every process under it (pids, Linux ``/proc``)."""
+    todo = [root]
     while todo:
         pid = todo.pop()
-        total += _rss_bytes(pid)
+        yield pid
         todo += _children(pid)
-    return total
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Resident bytes of process ``root`` and every process under it (Linux ``/proc``)."""
+    return sum(_rss_bytes(pid) for pid in _tree(root))
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -75,12 +79,7 @@ def _cpu_seconds(pid: int) -> float:
 def tree_cpu_seconds(root: int) -> float:
     """CPU seconds of process ``root`` and every process under it, those that ended included
     where their parent reaped them (a rank: its fork server; a fork server: this process)."""
-    total, todo = 0.0, [root]
-    while todo:
-        pid = todo.pop()
-        total += _cpu_seconds(pid)
-        todo += _children(pid)
-    return total
+    return sum(_cpu_seconds(pid) for pid in _tree(root))
 
 
 class TreeMemory:
