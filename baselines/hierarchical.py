@@ -40,6 +40,14 @@ it is naive EP (``none``) or an Occult-like per-device exchange (``device``).
 Exact top-k MoE: every (token, expert) pair is computed once, weighted once, and the
 partial sums are regroupings of the same terms.
 
+``kernels``, the experts step on the final stage's rows: ``torch``: each local expert reads
+its rows through the pair index and adds its gate-weighted outputs straight into the rows
+(:func:`occult.ep.merged.merged_swiglu`, the step Occult's ``kernels=torch`` runs), so neither
+the [Q, D] gather nor the experts' [Q, D] outputs exist; ``epd``: the pairs are gathered, the
+grouped experts run on them and combine sums them with their gate weights; ``auto`` (the
+default): torch on a CPU once the pairs [Q, D] would exceed
+:data:`occult.ep.merged.FUSE_FROM_BYTES`, else epd (always epd on a GPU).
+
 The plan (:meth:`HierarchicalDispatcher.plan`) splits the first stage of a rank's tokens
 with the dispatch's function, and the second from the (unit, slot) pairs the first stage's
 rows carry, each on the rank that receives it: what that rank's dispatch splits of the units
@@ -58,11 +66,15 @@ import torch
 
 from occult.columns import column
 from occult.ep import Exchange, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
+from occult.ep.merged import FUSE_FROM_BYTES, GatheredRows, merged_swiglu
 from occult.ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
 from occult.ep.plan import forwarded, metadata_sends, returned, sends
 from occult.ep.capabilities import Capabilities
 
 DEDUP = ("none", "node", "device")
+# the experts step on the final stage's pairs: merged into the rows (torch) or on the gathered
+# pairs (epd); auto takes torch on a CPU once the pairs [Q, D] exceed FUSE_FROM_BYTES
+KERNELS = ("auto", "torch", "epd")
 # the dtype of the rows' metadata (gate weights and top-k ids): exact for the ids
 META_DTYPE = torch.float64
 
@@ -117,6 +129,7 @@ class HierarchicalHandle:
     num_rows: int          # final-stage rows on the expert's device
     layer: int
     recorder: Optional[Recorder]
+    merged: bool           # the experts step summed each row's weighted outputs (merged_swiglu)
 
 
 def split_units(ids_UK: torch.Tensor, dest_UK: torch.Tensor, per_pair: bool, world_size: int,
@@ -155,8 +168,9 @@ def carried_ids(ids_UK: torch.Tensor, unit_S: torch.Tensor, keep_SK: torch.Tenso
 
 
 class HierarchicalDispatcher(SplitDispatcher):
-    """``dedup``: ``none`` | ``node`` | ``device`` (what each stage sends once, see the module
-    docstring); the node layout comes from the group (``cluster.devices_per_node``)."""
+    """``dedup``: ``none`` | ``node`` | ``device`` (what each stage sends once) and ``kernels``:
+    ``auto`` | ``torch`` | ``epd`` (the experts step), see the module docstring; the node
+    layout comes from the group (``cluster.devices_per_node``)."""
 
     capabilities = Capabilities(
         impl="harness", precision="float64", expert_parallel=True, exact_forward=True, exact_backward=True,
@@ -171,11 +185,19 @@ class HierarchicalDispatcher(SplitDispatcher):
     @dataclass
     class Config(SystemConfig):
         dedup: str = column("device", absent="")    # none | node | device; a column of every row
+        kernels: str = "auto"                        # auto | torch | epd (not a column: a path, not a setting)
 
         def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
             super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
             if self.dedup not in DEDUP:
                 raise ValueError(f"system.dedup={self.dedup!r}: allowed values are {list(DEDUP)}")
+            if self.kernels not in KERNELS:
+                raise ValueError(f"system.kernels={self.kernels!r}: allowed values are {list(KERNELS)}")
+
+        def other_exact_paths(self) -> list:
+            # the path this config does not take on the parity suite's small problems
+            # (auto takes epd there)
+            return super().other_exact_paths() + [{"kernels": "epd" if self.kernels == "torch" else "torch"}]
 
     def _destinations(self, ids_UK: torch.Tensor, stage: str, holder) -> torch.Tensor:
         """Each (unit, expert)'s destination rank at ``stage``: the rail peer in the expert's
@@ -249,8 +271,24 @@ class HierarchicalDispatcher(SplitDispatcher):
         row_Q, k_Q = row_Q[order_Q], k_Q[order_Q]
         counts_e = torch.bincount(slot_Q, minlength=pl.num_local)
         weight_Q = units.w_UK[row_Q, k_Q].to(x_TD.dtype)
-        handle = HierarchicalHandle(tuple(legs), row_Q, weight_Q, units.x_UD.shape[0], layer, recorder)
-        return gather_rows(units.x_UD, row_Q), counts_e, handle
+        merged = self._merges(units.x_UD, row_Q.numel())
+        handle = HierarchicalHandle(tuple(legs), row_Q, weight_Q, units.x_UD.shape[0], layer, recorder, merged)
+        routed = GatheredRows(units.x_UD, row_Q) if merged else gather_rows(units.x_UD, row_Q)
+        return routed, counts_e, handle
+
+    def _merges(self, x_UD: torch.Tensor, pairs: int) -> bool:
+        """Whether this call's experts step merges into the rows (``kernels``; ``auto``: on a
+        CPU, when the ``pairs`` gathered rows [Q, D] would exceed ``FUSE_FROM_BYTES``)."""
+        if self.config.kernels != "auto":
+            return self.config.kernels == "torch"
+        return x_UD.device.type == "cpu" and pairs * x_UD.shape[1] * x_UD.element_size() > FUSE_FROM_BYTES
+
+    def run_experts(self, experts, routed, counts_e, handle: HierarchicalHandle):
+        """The experts on the final stage's pairs: [Q, D] outputs, or (``handle.merged``) the
+        rows' gate-weighted sums [U, D] (:func:`occult.ep.merged.merged_swiglu`)."""
+        if handle.merged:
+            return merged_swiglu(experts, routed, counts_e, handle.weight_Q)
+        return experts(routed, counts_e)
 
     def plan(self, topk_ids_TK, topk_weights_TK, *, rank, shape, facts_PX=None, training=True):
         """Each stage's ``counts_*`` (one int64 per peer of the stage), ``dispatch_*`` and
@@ -282,7 +320,7 @@ class HierarchicalDispatcher(SplitDispatcher):
 
     def combine(self, y_QD, handle: HierarchicalHandle):
         rec, layer = handle.recorder, handle.layer
-        y_UD = weighted_scatter_add(handle.num_rows, handle.row_Q, y_QD, handle.weight_Q)
+        y_UD = y_QD if handle.merged else weighted_scatter_add(handle.num_rows, handle.row_Q, y_QD, handle.weight_Q)
         for leg in reversed(handle.legs):
             back_SD = all_to_all_rows(y_UD, leg.recv_P, leg.send_P, self.ep, Exchange(layer, f"combine_{leg.name}", rec))
             y_UD = scatter_add_rows(leg.num_units, leg.unit_S, back_SD)

@@ -91,10 +91,10 @@ def test_merged_experts_step_equals_epd_then_merge(needs, tile_rows, monkeypatch
     against EPD materialised, the grouped experts and the scatter-add, forward and backward,
     with an empty expert and with only some inputs needing gradients; each expert's rows in
     one tile (the default size) or in tiles of 2-3 rows."""
-    from occult.collab import experts as occult_experts
-    from occult.collab.experts import GatheredRows, merged_swiglu
+    from occult.ep import merged
+    from occult.ep.merged import GatheredRows, merged_swiglu
     if tile_rows:
-        monkeypatch.setattr(occult_experts, "TILE_BYTES", tile_rows * 6 * 8)
+        monkeypatch.setattr(merged, "TILE_BYTES", tile_rows * 6 * 8)
     from occult.ep import GroupedExperts
     from occult.ep.permute import gather_rows, scatter_add_rows
     g = torch.Generator().manual_seed(3)

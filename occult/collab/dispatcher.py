@@ -39,9 +39,10 @@ from ..ep.static import StaticConfig, runs_static
 from ..ep.system import PayloadConfig, ReplicaConfig
 from ..ep.accounting import span
 from ..ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
+from ..ep.merged import FUSE_FROM_BYTES, GatheredRows, merged_swiglu
 from ..kernels import TRITON_DTYPES, triton_available, triton_takes, use_triton
 from .brim import Brim0, Brim1, build_brim0, build_brim1, local_expert_weights, uses_of
-from .experts import GatheredRows, merged_swiglu, occult_experts
+from .experts import occult_experts
 from .static import StaticSFD
 from ..ep.capabilities import Capabilities
 from ..ep.payload import PAYLOADS
@@ -62,12 +63,6 @@ class OccultHandle:
 
 
 KERNELS = ("auto", "torch", "epd", "triton")
-# auto's choice between the PyTorch paths, by the size of the EPD buffer [Q, D] a call would
-# materialise: above it the fused loop wins (its per-expert gathers and adds replace large
-# fresh buffers: 1.4-3x faster from 4 MiB, measured alone on one thread of this project's
-# 2-core CPU machine); below it the loop's extra per-expert operations can cost more than
-# the buffer (1.35x slower at a 2 MiB, 128-wide EPD, e.g. a proxy model's prefill)
-FUSE_FROM_BYTES = 2 << 20
 
 
 @dataclass
