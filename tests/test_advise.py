@@ -5,8 +5,8 @@ Fixtures (``tests/fixtures``), both re-measured at one commit by one command,
 samples per system:
 
 * ``comm_p4``: ``task=layer``, forward only, of naive, occult and hierarchical (dedup=device)
-  on ``bench_comm_k32`` (E=64, K=32, D=1024, F=16), 768 tokens per rank, uniform routing, P = 4
-  loopback gloo ranks as 2 nodes x 2;
+  on ``bench_comm_k32`` (E=64, K=32, D=1024, F=16), 384 tokens per rank, uniform routing, P = 4
+  loopback gloo ranks as 2 nodes x 2; a sample is the median of 5 consecutive forwards;
 * ``strategies_p4``: ``task=prefill`` of naive, occult, allgather and hierarchical on the
   trained OLMoE proxy at P = 4, with the routing trace every one of them ran.
 
@@ -60,38 +60,15 @@ def test_the_comm_fixture_was_measured_at_one_clean_commit_with_ten_samples_a_sy
 
 
 @pytest.mark.timeout(240)
-def test_the_advisor_orders_the_comm_bound_pairs_that_separate_as_measured(tmp_path):
-    """Of the three fixed pairs, those whose samples separate in the committed fixture (occult /
-    naive in it) must be ordered by the advisor as measured; none separating fails."""
-    lat = pd.read_csv(FIXTURES / "comm_p4" / "latency.csv")
-    st = FIX.stats(lat)
-    pairs = [(a, b) for a, b in PAIRS if FIX.separation(st, a, b) > 1]
-    assert pairs, explained(["no fixed pair separates: re-measure (tests/fixtures/make_strategies_p4.py)"], st, {})
-    first = lat.iloc[0]
-    projected, notes = advised(tmp_path, sorted({s for pair in pairs for s in pair}), model=first.model,
-                               phase="prefill", routing="uniform", sample_layers=0,
-                               tokens_per_rank=int(first.tokens_per_rank), world_size=int(first.world_size),
-                               devices_per_node=int(first.devices_per_node))
-    assert any("sim_cpu_loopback" in n and "measured" in n for n in notes), notes
-    problems = FIX.failures(st, projected, pairs)
-    assert not problems, explained(problems, st, projected)
-
-
-# Measured on this 2-core machine at one clean commit, quiet (tests/fixtures/comm_p4, load 1.1
-# to 1.9): only occult / naive separates (1.61); hierarchical / naive (0.41) and occult /
-# hierarchical (0.95) overlap: 4 ranks share 2 cores and a layer's time jumps by about 250 ms
-# now and then (hierarchical's, with 8 collectives a forward, most often), while the medians
-# order occult < naive ~ hierarchical (202 / 419 / 430 ms); a run three minutes earlier
-# separated no pair. A strict xfail: the day the three pairs separate and the advisor orders
-# them as measured, it fails, and the mark goes.
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the three comm-bound pairs do not separate on 2 shared cores (see the comment)")
-@pytest.mark.timeout(240)
 def test_the_advisor_orders_the_three_comm_bound_pairs_as_measured(tmp_path):
+    """Each fixed pair must separate in the committed fixture and be ordered by the advisor as
+    measured: a pair that does not separate fails (nothing is ordered), so does a pair ordered
+    against the measurement."""
     lat = pd.read_csv(FIXTURES / "comm_p4" / "latency.csv")
     st = FIX.stats(lat)
     apart = FIX.failures(st, {}, [(a, b) for a, b in PAIRS if FIX.separation(st, a, b) <= 1])
-    assert not apart, explained(apart, st, {})          # before the advisor runs: nothing to order
+    assert not apart, explained(apart + ["re-measure: python tests/fixtures/make_strategies_p4.py --only comm_p4"],
+                                st, {})
     first = lat.iloc[0]
     systems = sorted({s for pair in PAIRS for s in pair})
     projected, notes = advised(tmp_path, systems, model=first.model, phase="prefill", routing="uniform",
