@@ -64,9 +64,9 @@ from typing import Optional
 
 import torch
 
-from occult.columns import column
+from occult.columns import column, later
 from occult.ep import Exchange, Recorder, SplitDispatcher, SystemConfig, all_to_all_rows, exchange_counts
-from occult.ep.merged import FUSE_FROM_BYTES, GatheredRows, merged_swiglu
+from occult.ep.merged import GatheredRows, epd_exceeds, merged_swiglu
 from occult.ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
 from occult.ep.plan import forwarded, metadata_sends, returned, sends
 from occult.ep.capabilities import Capabilities
@@ -185,7 +185,8 @@ class HierarchicalDispatcher(SplitDispatcher):
     @dataclass
     class Config(SystemConfig):
         dedup: str = column("device", absent="")    # none | node | device; a column of every row
-        kernels: str = "auto"                        # auto | torch | epd (not a column: a path, not a setting)
+        # auto | torch | epd; later: configs at auto hash as before the option existed
+        kernels: str = later("auto")
 
         def check(self, *, num_experts: int, top_k: int, world_size: int) -> None:
             super().check(num_experts=num_experts, top_k=top_k, world_size=world_size)
@@ -281,7 +282,7 @@ class HierarchicalDispatcher(SplitDispatcher):
         CPU, when the ``pairs`` gathered rows [Q, D] would exceed ``FUSE_FROM_BYTES``)."""
         if self.config.kernels != "auto":
             return self.config.kernels == "torch"
-        return x_UD.device.type == "cpu" and pairs * x_UD.shape[1] * x_UD.element_size() > FUSE_FROM_BYTES
+        return x_UD.device.type == "cpu" and epd_exceeds(pairs, x_UD)
 
     def run_experts(self, experts, routed, counts_e, handle: HierarchicalHandle):
         """The experts on the final stage's pairs: [Q, D] outputs, or (``handle.merged``) the

@@ -1,8 +1,8 @@
 """The advisor (analysis/advise.py) against measurement, and its bad input.
 
-Fixtures (``tests/fixtures``), both re-measured at one commit by one command,
-``python tests/fixtures/make_strategies_p4.py`` (its docstring says why each shape), 12 timed
-samples per system:
+Fixtures (``tests/fixtures``), re-measured by one command,
+``python tests/fixtures/make_strategies_p4.py`` (``--only NAME`` for one; its docstring says why
+each shape), each at one clean commit, 12 timed samples per system:
 
 * ``comm_p4``: ``task=layer``, forward only, of naive, occult and hierarchical (dedup=device)
   on ``bench_comm_k32`` (E=64, K=32, D=1024, F=16), 384 tokens per rank, uniform routing, P = 4

@@ -27,7 +27,8 @@ LATER_AT_57D74C1 = {
     "task.placement": "contiguous", "task.num_redundant": 0,
     "task.microbatches": 1, "task.grad_sync": "end", "task.migration": False}
 # and those added since, each at the value that reproduces the runs written before it
-LATER_SINCE = {"task.held_out_tokens": None, "pretrain.eval_batches": None}
+LATER_SINCE = {"task.held_out_tokens": None, "pretrain.eval_batches": None,
+               "system.kernels": "auto"}   # hierarchical's (Occult's at auto resumes alike)
 
 
 def test_the_later_keys_are_the_fields_declarations_and_those_of_57d74c1():

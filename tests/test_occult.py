@@ -119,7 +119,8 @@ def test_merged_experts_step_equals_epd_then_merge(needs, tile_rows, monkeypatch
 def test_auto_fuses_the_experts_step_only_for_a_large_epd():
     """kernels=auto on a CPU: EPD materialised while [Q, D] is at most FUSE_FROM_BYTES,
     the fused loop above; torch and epd are taken whatever the size."""
-    from occult.collab.dispatcher import FUSE_FROM_BYTES, OccultDispatcher
+    from occult.collab.dispatcher import OccultDispatcher
+    from occult.ep.merged import FUSE_FROM_BYTES
     from occult.ep import system_config
     from occult.ep.comm import EPGroup
     x_TD = torch.zeros(4, 128)

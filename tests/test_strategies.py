@@ -210,6 +210,7 @@ def test_placement_replicas_leave_the_placement_as_it_was():
 
 @pytest.mark.parametrize("target, options, message", [
     (HIER, {"dedup": "rack"}, r"system.dedup='rack': allowed values are \['none', 'node', 'device'\]"),
+    (HIER, {"kernels": "triton"}, r"system.kernels='triton': allowed values are \['auto', 'torch', 'epd'\]"),
     (PIPE, {"degree": "3"}, r"system.degree='3': allowed values are \['1', '2', '4', 'auto'\]"),
     (PIPE, {"profile": "nowhere"}, r"system.profile='nowhere': no profile"),
     (SHADOW, {"profile": "sim_cpu_loopback"}, r"system.profile='sim_cpu_loopback': .*not 3"),
@@ -218,6 +219,23 @@ def test_bad_options_are_one_line_errors(target, options, message):
     from occult.ep import system_config
     with pytest.raises(ValueError, match=message):
         system_config(system(target, **options)).check(num_experts=12, top_k=2, world_size=3)
+
+
+def test_hierarchical_merges_its_experts_step_on_a_cpu_only_for_a_large_epd():
+    """kernels=auto: the pairs gathered while [Q, D] is at most FUSE_FROM_BYTES, merged into
+    the rows above; torch and epd whatever the size; never merged off the CPU (a meta tensor
+    stands for a GPU's)."""
+    from occult.ep import system_config
+    from occult.ep.comm import EPGroup
+    from occult.ep.merged import FUSE_FROM_BYTES
+    from baselines.hierarchical import HierarchicalDispatcher
+    x_UD = torch.zeros(4, 128)
+    at_bound = FUSE_FROM_BYTES // (128 * 4)
+    for kernels, small, large in (("auto", False, True), ("torch", True, True), ("epd", False, False)):
+        d = HierarchicalDispatcher(EPGroup(), Placement.contiguous(8, 1), system_config(system(HIER, kernels=kernels)))
+        assert (d._merges(x_UD, at_bound), d._merges(x_UD, at_bound + 1)) == (small, large), kernels
+    d = HierarchicalDispatcher(EPGroup(), Placement.contiguous(8, 1), system_config(system(HIER)))
+    assert not d._merges(torch.zeros(4, 128, device="meta"), at_bound + 1)
 
 
 @pytest.mark.slow    # 8 s; their forward and backward are the parity suite's

@@ -39,7 +39,7 @@ from ..ep.static import StaticConfig, runs_static
 from ..ep.system import PayloadConfig, ReplicaConfig
 from ..ep.accounting import span
 from ..ep.permute import gather_rows, scatter_add_rows, weighted_scatter_add
-from ..ep.merged import FUSE_FROM_BYTES, GatheredRows, merged_swiglu
+from ..ep.merged import GatheredRows, epd_exceeds, merged_swiglu
 from ..kernels import TRITON_DTYPES, triton_available, triton_takes, use_triton
 from .brim import Brim0, Brim1, build_brim0, build_brim1, local_expert_weights, uses_of
 from .experts import occult_experts
@@ -100,7 +100,7 @@ class OccultDispatcher(StaticSFD, SplitDispatcher):
     one), ``triton`` (the gather-fused expert matmul and the atomic weighted merge; CUDA,
     or the Triton interpreter; float16, bfloat16 or float32 rows), or ``auto`` (triton on
     CUDA tensors of those dtypes when triton imports, else torch for a large EPD, epd for a
-    small one: :data:`FUSE_FROM_BYTES`).
+    small one: :data:`occult.ep.merged.FUSE_FROM_BYTES`).
     ``dispatch_mode=static``: one slot per token per destination device in fixed buffers, no
     counts exchange, no host read (:mod:`occult.collab.static`)."""
 
@@ -120,7 +120,7 @@ class OccultDispatcher(StaticSFD, SplitDispatcher):
 
     def _kernels(self, x_TD, epd_rows: int) -> str:
         """The path this call takes: torch | epd | triton (``auto``: triton where it runs,
-        else torch once EPD would exceed :data:`FUSE_FROM_BYTES`, else epd)."""
+        else torch once EPD would exceed :data:`occult.ep.merged.FUSE_FROM_BYTES`, else epd)."""
         kernels = self.config.kernels
         if kernels == "triton" and not use_triton(x_TD):
             raise ValueError("system.kernels=triton runs on CUDA tensors only (or under the Triton "
@@ -132,7 +132,7 @@ class OccultDispatcher(StaticSFD, SplitDispatcher):
         if kernels == "auto":
             if use_triton(x_TD) and triton_takes(x_TD.dtype):
                 return "triton"
-            return "torch" if epd_rows * x_TD.shape[1] * x_TD.element_size() > FUSE_FROM_BYTES else "epd"
+            return "torch" if epd_exceeds(epd_rows, x_TD) else "epd"
         return kernels
 
     def run_experts(self, experts, routed_QD, counts_e, handle: "OccultHandle"):

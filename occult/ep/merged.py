@@ -30,6 +30,12 @@ from .permute import gather_rows
 FUSE_FROM_BYTES = 2 << 20
 
 
+def epd_exceeds(pairs: int, x_RD: torch.Tensor) -> bool:
+    """Whether ``pairs`` rows of ``x_RD`` gathered ([Q, D], EPD) would exceed
+    :data:`FUSE_FROM_BYTES`: where the merged step beats materialising them on a CPU."""
+    return pairs * x_RD.shape[1] * x_RD.element_size() > FUSE_FROM_BYTES
+
+
 @dataclass(frozen=True)
 class GatheredRows:
     """The EPD rows ``source_RD[index_Q]``, not materialised: what a dispatch hands an
