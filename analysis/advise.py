@@ -286,7 +286,12 @@ def write_sweep(req: Request, points: list, out: Path, peer_rows: bool = False) 
 
 
 def progress_line(line: str) -> Optional[str]:
-    """The runner's ``[point i/N] <overrides> (...)`` log line as ``[point i/N] P=.. strategy (...)``."""
+    """The runner's ``[point i/N] <overrides> (...)`` log line as ``[point i/N] P=.. strategy (...)``;
+    its ``before the sweep: ...`` lines (proxies pre-trained before the points, with their
+    expected and measured times) as they are, without the log prefix; None for any other line."""
+    before = re.search(r"before the sweep: .*", line)
+    if before:
+        return f"  {before.group(0).rstrip()}"
     m = re.search(r"\[point (\d+/\d+)\] (\S+) (\(.*\))", line)
     if not m:
         return None
@@ -298,7 +303,8 @@ def progress_line(line: str) -> Optional[str]:
 def run_points(req: Request, points: list, out: Path, peer_rows: bool = False) -> None:
     """The place and simulate points in one ``python run.py`` multirun (the harness's entry
     point, in its own process: the advisor reads result tables and starts no ranks itself),
-    a progress line per point on stderr; a failure is a one-line ``ValueError`` with its cause."""
+    a progress line per point on stderr (and the runner's announcement of proxies pre-trained
+    first); a failure is a one-line ``ValueError`` with its cause."""
     conf = write_sweep(req, points, out, peer_rows)
     cmd = [sys.executable, "run.py", f"hydra.searchpath=[file://{conf}]", f"experiment={SWEEP_NAME}",
            "~hydra.callbacks.sweep_report"]     # the advisor prints its own table
