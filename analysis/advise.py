@@ -287,11 +287,12 @@ def write_sweep(req: Request, points: list, out: Path, peer_rows: bool = False) 
 
 def progress_line(line: str) -> Optional[str]:
     """The runner's ``[point i/N] <overrides> (...)`` log line as ``[point i/N] P=.. strategy (...)``;
-    its ``before the sweep: ...`` lines (proxies pre-trained before the points, with their
-    expected and measured times) as they are, without the log prefix; None for any other line."""
-    before = re.search(r"before the sweep: .*", line)
+    the runner's own ``before the sweep: ...`` log lines (the proxies its points load: all
+    cached, or pre-trained first, with their expected and measured times) without the log
+    prefix; None for any other line."""
+    before = re.search(r"\]\[occult\.runner\]\[\w+\] - (before the sweep: .*)", line)
     if before:
-        return f"  {before.group(0).rstrip()}"
+        return f"  {before.group(1).rstrip()}"
     m = re.search(r"\[point (\d+/\d+)\] (\S+) (\(.*\))", line)
     if not m:
         return None

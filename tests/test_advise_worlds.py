@@ -190,6 +190,7 @@ def test_the_advisors_points_are_one_sweep_with_each_worlds_layout(tmp_path):
     assert progress_line(line) == ("  before the sweep: 1 proxy checkpoint(s) its points load are not cached and are "
                                    "pre-trained now, apart from the points: deepseek_v3_proxy (about 3 min)")
     assert progress_line("[2026-12-08][occult][INFO] - wrote 40 rows") is None
+    assert progress_line("[2026-12-08][occult][ERROR] - point failed (cause: before the sweep: x)") is None
 
 
 def test_the_layouts_table_names_the_strategies_one_node_lacks():

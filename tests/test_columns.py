@@ -27,8 +27,10 @@ LATER_AT_57D74C1 = {
     "task.placement": "contiguous", "task.num_redundant": 0,
     "task.microbatches": 1, "task.grad_sync": "end", "task.migration": False}
 # and those added since, each at the value that reproduces the runs written before it
-LATER_SINCE = {"task.held_out_tokens": None, "pretrain.eval_batches": None,
-               "system.kernels": "auto"}   # hierarchical's (Occult's at auto resumes alike)
+# (system.kernels: hierarchical's; a later key is one per group and field, so Occult's
+# kernels=auto configs hash without it too: their config hash changed once, and their stored
+# runs resume, tested below)
+LATER_SINCE = {"task.held_out_tokens": None, "pretrain.eval_batches": None, "system.kernels": "auto"}
 
 
 def test_the_later_keys_are_the_fields_declarations_and_those_of_57d74c1():
@@ -37,6 +39,32 @@ def test_the_later_keys_are_the_fields_declarations_and_those_of_57d74c1():
     hashed = lambda task: without_later(hashed_config({"task": task}), later_keys())
     assert hashed({"microbatches": 1, "iters": 3}) == {"task.iters": 3}
     assert hashed({"microbatches": 2}) == {"task.microbatches": 2}
+
+
+def test_a_run_stored_before_a_later_system_option_resumes_and_one_at_another_value_is_refused(tmp_path):
+    """hierarchical's system.kernels came later: its runs stored without the key, and Occult's
+    stored with kernels=auto (the key is one per group and field), resume; a stored
+    kernels=torch is another config. The option is left out of system_options at auto."""
+    from occult.ep import system_config
+    from occult.errors import ConfigError
+    from occult.records import RESULTS_FILE, write_run_config
+    from occult.runner import already_done
+    current = without_later({"system.name": "occult", "system.kernels": "auto", "task.iters": 3}, later_keys())
+    assert current == {"system.name": "occult", "task.iters": 3}
+    for stored, resumes in (({"system.name": "occult", "system.kernels": "auto", "task.iters": 3}, True),
+                            ({"system.name": "occult", "task.iters": 3}, True),
+                            ({"system.name": "occult", "system.kernels": "torch", "task.iters": 3}, False)):
+        out = tmp_path / str(len(list(tmp_path.iterdir())))
+        write_run_config(out, stored)
+        (out / RESULTS_FILE).write_bytes(b"")
+        if resumes:
+            assert already_done(out, current), stored
+        else:
+            with pytest.raises(ConfigError, match="system.kernels: 'torch' -> '<absent>'"):
+                already_done(out, current)
+    hier = "baselines.hierarchical.HierarchicalDispatcher"
+    assert "kernels" not in system_config({"name": "hierarchical", "_target_": hier}).options()
+    assert system_config({"name": "hierarchical", "_target_": hier, "kernels": "torch"}).options()["kernels"] == "torch"
 
 
 def test_a_run_folder_written_at_57d74c1_resumes(tmp_path):

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from ..columns import LATER
 from ..errors import ConfigError
 from .capabilities import Capabilities, check_declared
 from .payload import PAYLOADS
@@ -121,9 +122,12 @@ class SystemConfig:
         return self.capabilities().precision
 
     def options(self) -> dict:
-        """Every option but ``name`` and ``_target_``."""
+        """Every option but ``name`` and ``_target_``, and an option added later
+        (:func:`occult.columns.later`) while it holds the value results were written with
+        before it existed: rows of one config keep one ``system_options``."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("name", "_target_")}
+                if f.name not in ("name", "_target_")
+                and not (LATER in f.metadata and getattr(self, f.name) == f.metadata[LATER])}
 
     def options_json(self) -> str:
         """The options as canonical JSON (sorted keys): the ``system_options`` column."""
