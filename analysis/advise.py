@@ -290,7 +290,8 @@ def progress_line(line: str) -> Optional[str]:
     the runner's own ``before the sweep: ...`` log lines (the proxies its points load: all
     cached, or pre-trained first, with their expected and measured times) without the log
     prefix; None for any other line."""
-    before = re.search(r"\]\[occult\.runner\]\[\w+\] - (before the sweep: .*)", line)
+    # the message right after the log line's [..] fields (the sweeper logs as [time][HYDRA])
+    before = re.match(r"(?:\[[^\]]*\])+ (?:- )?(before the sweep: .*)", line)
     if before:
         return f"  {before.group(1).rstrip()}"
     m = re.search(r"\[point (\d+/\d+)\] (\S+) (\(.*\))", line)

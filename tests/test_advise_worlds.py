@@ -185,12 +185,13 @@ def test_the_advisors_points_are_one_sweep_with_each_worlds_layout(tmp_path):
             "system=hierarchical,task=simulate (2 done, about 20 s left)")
     assert progress_line(line) == "  [point 3/9] P=32 hierarchical_node (2 done, about 20 s left)"
     # a proxy pre-trained before the points is announced, not minutes of silence
-    line = ("[2026-12-08][occult.runner][WARNING] - before the sweep: 1 proxy checkpoint(s) its points load are not "
+    line = ("[2026-12-08 02:29:28,091][HYDRA] before the sweep: 1 proxy checkpoint(s) its points load are not "
             "cached and are pre-trained now, apart from the points: deepseek_v3_proxy (about 3 min)")
     assert progress_line(line) == ("  before the sweep: 1 proxy checkpoint(s) its points load are not cached and are "
                                    "pre-trained now, apart from the points: deepseek_v3_proxy (about 3 min)")
     assert progress_line("[2026-12-08][occult][INFO] - wrote 40 rows") is None
     assert progress_line("[2026-12-08][occult][ERROR] - point failed (cause: before the sweep: x)") is None
+    assert progress_line("[2026-12-08][occult][WARNING] - before the sweep: x") == "  before the sweep: x"
 
 
 def test_the_layouts_table_names_the_strategies_one_node_lacks():
