@@ -21,9 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..ep.merged import GatheredRows, merged_swiglu
-
-__all__ = ["GatheredRows", "merged_swiglu", "occult_experts"]
+from ..ep.merged import GatheredRows
 
 
 def occult_experts(experts: nn.Module, routed, counts_e: torch.Tensor,
